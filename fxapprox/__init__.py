@@ -1,0 +1,24 @@
+"""fxapprox: a torch.fx compiler that makes training steps cheaper with approximate tensor ops.
+
+Example::
+
+    >>> import torch, torchvision, fxapprox
+    >>> approx = fxapprox.approximate(torchvision.models.resnet18(), budget=0.5)
+    >>> loss = approx(torch.randn(8, 3, 64, 64)).sum(); loss.backward()   # planned on this batch
+    >>> approx.report.show()
+    >>> fxapprox.export(approx, "out/resnet18")
+"""
+
+from fxapprox.api import ApproxGraphModule, analyse, approximate
+from fxapprox.config import ApproxConfig, LayerOverride
+from fxapprox.errors import FxApproxError, PlanNotReadyError, TraceError
+from fxapprox.export import export
+from fxapprox.plan import LayerDecision, Plan
+from fxapprox.report import Report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApproxConfig", "ApproxGraphModule", "FxApproxError", "LayerDecision", "LayerOverride", "Plan",
+    "PlanNotReadyError", "Report", "TraceError", "analyse", "approximate", "export",
+]

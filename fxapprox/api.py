@@ -1,0 +1,203 @@
+"""``fxapprox.approximate``: trace → analyse → rank → plan → rewrite → report.
+
+Each stage is a pass in ``fxapprox.passes``; this module only strings them
+together and wraps the result in :class:`ApproxGraphModule`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxapprox._validate import check_choice, check_fraction
+from fxapprox.config import ApproxConfig
+from fxapprox.errors import PlanNotReadyError
+from fxapprox.modules import APPROX_MODULE_TYPES
+from fxapprox.ops.sampling import METHODS
+from fxapprox.passes.budget_policy import plan_budget
+from fxapprox.passes.channels import annotate_channels
+from fxapprox.passes.flops import count_flops
+from fxapprox.passes.rank import rank_layers
+from fxapprox.passes.rewrite import rewrite_sampled_ops
+from fxapprox.passes.saved_bytes import measure_saved_bytes
+from fxapprox.passes.shape_prop import propagate_shapes
+from fxapprox.passes.trace import trace
+from fxapprox.plan import Plan
+from fxapprox.report import Report
+
+
+@contextlib.contextmanager
+def _measurement_sandbox(gm: torch.fx.GraphModule):
+    """Run analysis without side effects: buffers (BN stats), RNG and mode are restored."""
+    buffers = {name: buffer.detach().clone() for name, buffer in gm.named_buffers()}
+    modes = {module: module.training for module in gm.modules()}
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        gm.train()
+        try:
+            yield
+        finally:
+            for module, mode in modes.items():
+                module.training = mode
+            with torch.no_grad():
+                for name, buffer in gm.named_buffers():
+                    buffer.copy_(buffers[name])
+
+
+def analyse(gm: torch.fx.GraphModule, example_inputs: tuple, progress: bool = False) -> torch.fx.GraphModule:
+    """Run every analysis pass on ``gm`` (shapes, FLOPs, saved bytes, channels)."""
+    with _measurement_sandbox(gm):
+        propagate_shapes(gm, *example_inputs)
+        count_flops(gm, *example_inputs, progress=progress)
+        measure_saved_bytes(gm, *example_inputs, progress=progress)
+    annotate_channels(gm)
+    return gm
+
+
+def _shapes(values) -> list:
+    return [list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
+
+
+class ApproxGraphModule(torch.fx.GraphModule):
+    """The module :func:`approximate` returns: a ``GraphModule`` that trains approximately.
+
+    ``eval()`` computes exactly what the original model computes; ``state_dict()``
+    has the original keys.
+    """
+
+    def _fxapprox_setup(self, *, budget: float, method: str, config: ApproxConfig, model_name: str) -> None:
+        self._fxapprox_state = {"budget": budget, "method": method, "config": config, "model_name": model_name,
+                                "plan": None, "report": None, "enabled": True}
+
+    # -- planning ---------------------------------------------------------
+    def _positional_inputs(self, args: tuple, kwargs: dict) -> tuple:
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        values = list(args)
+        for node in placeholders[len(args):]:
+            if node.target in kwargs:
+                values.append(kwargs[node.target])
+            elif node.args:
+                values.append(node.args[0])  # the traced default
+            else:
+                raise TypeError(f"missing input {node.target!r} for planning")
+        return tuple(values)
+
+    def plan_from(self, *args, **kwargs) -> Plan:
+        """Analyse, plan and rewrite using these inputs (done once; the first batch does it lazily)."""
+        state = self._fxapprox_state
+        if state["plan"] is not None:
+            raise RuntimeError("this module is already planned; call fxapprox.approximate again to re-plan")
+        inputs = self._positional_inputs(args, kwargs)
+        config: ApproxConfig = state["config"]
+        analyse(self, inputs, progress=config.progress)
+        rank_layers(self)
+        plan = plan_budget(self, state["budget"], state["method"], config)
+        rewrite_sampled_ops(self, plan)
+        state["plan"] = plan
+        state["report"] = Report(plan, state["model_name"], _shapes(inputs))
+        self.set_approximate(state["enabled"])
+        return plan
+
+    def __call__(self, *args, **kwargs):
+        if self._fxapprox_state["plan"] is None:
+            self.plan_from(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    # -- public surface ---------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The :class:`~fxapprox.plan.Plan` (available once planned)."""
+        plan = self._fxapprox_state["plan"]
+        if plan is None:
+            raise PlanNotReadyError(
+                "no plan yet: it is made on the first batch the module sees; run one forward pass "
+                "or pass example_inputs= to fxapprox.approximate")
+        return plan
+
+    @property
+    def report(self) -> Report:
+        """The rewrite :class:`~fxapprox.report.Report` (available once planned)."""
+        self.plan  # noqa: B018 — raises the explanatory error when not planned yet
+        return self._fxapprox_state["report"]
+
+    @property
+    def planned(self) -> bool:
+        return self._fxapprox_state["plan"] is not None
+
+    def set_approximate(self, enabled: bool) -> "ApproxGraphModule":
+        """Switch approximation on (``True``) or off (``False``, exact training); returns ``self``.
+
+        Example::
+
+            >>> approx.set_approximate(False)   # e.g. the last epochs exact
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+        self._fxapprox_state["enabled"] = enabled
+        for module in self.modules():
+            if isinstance(module, APPROX_MODULE_TYPES):
+                module.fxapprox_enabled = enabled
+        return self
+
+    def __deepcopy__(self, memo):
+        result = super().__deepcopy__(memo)
+        result._fxapprox_state = copy.deepcopy(self._fxapprox_state, memo)
+        return result
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise TypeError(f"example_inputs must be a tensor or a tuple of positional inputs, "
+                    f"got {type(example_inputs).__name__}")
+
+
+def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, memory_budget: float | None = None,
+                method: str = "topk", config: ApproxConfig | None = None) -> ApproxGraphModule:
+    """Return a copy of ``model`` whose training step spends at most ``budget`` of the exact FLOPs.
+
+    ``budget`` is the fraction, in (0, 1], of the exact model's training-step
+    FLOPs (forward + backward) the result may spend; 1.0 is exact. With
+    ``example_inputs`` the model is analysed and planned at once; otherwise on
+    the first batch it sees. ``model`` is never modified; it may be an
+    ``nn.Module`` or an already traced ``torch.fx.GraphModule``.
+
+    Example::
+
+        >>> model = torchvision.models.resnet18()
+        >>> approx = fxapprox.approximate(model, budget=0.5, example_inputs=(torch.randn(8, 3, 64, 64),))
+        >>> approx.report.show()
+        >>> torchvision.models.resnet18().load_state_dict(approx.state_dict())
+    """
+    budget = check_fraction("budget", budget)
+    memory_budget = check_fraction("memory_budget", memory_budget, allow_none=True)
+    if memory_budget is not None and memory_budget < 1.0:
+        raise NotImplementedError(
+            "memory_budget < 1 (compressed saved activations) is not implemented in this version; "
+            "pass memory_budget=None")
+    check_choice("method", method, METHODS)
+    if config is None:
+        config = ApproxConfig()
+    elif not isinstance(config, ApproxConfig):
+        raise TypeError(f"config must be an fxapprox.ApproxConfig, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
+    inputs = None if example_inputs is None else _as_tuple(example_inputs)
+
+    traced = trace(model, config.leaf_modules)
+    model_name = type(model).__name__ if not isinstance(model, torch.fx.GraphModule) else \
+        getattr(model, "_fxapprox_model_name", type(model).__name__)
+    approx = ApproxGraphModule(traced, traced.graph, class_name=model_name)
+    approx.training = model.training
+    approx._fxapprox_setup(budget=budget, method=method, config=config, model_name=model_name)
+    if inputs is not None:
+        approx.plan_from(*inputs)
+    return approx
+
+
+__all__ = ["ApproxGraphModule", "analyse", "approximate"]

@@ -1,0 +1,140 @@
+"""Configuration: small frozen dataclasses, validated on construction.
+
+The common case needs no config at all (``approximate(model, budget=0.5)``);
+:class:`ApproxConfig` is for finer control, :class:`LayerOverride` pins the
+decision for layers matched by name, regular expression or module type.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from fxapprox._validate import check_choice, check_fraction, check_int
+from fxapprox.ops.sampling import METHODS
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    """Pin the plan for the layers ``pattern`` matches.
+
+    ``pattern`` is a module type (``nn.Linear``), or a string matched against the
+    layer's qualified name (``"layer4.0.conv2"``, the graph node name, or the
+    module path): first exactly, then as a regular expression with
+    ``re.fullmatch``.
+
+    Example::
+
+        >>> LayerOverride("fc", exclude=True)                 # keep the classifier exact
+        >>> LayerOverride(r"layer4\\..*", keep_ratio=0.25)    # sample layer4 harder
+    """
+
+    pattern: str | type
+    keep_ratio: float | None = None
+    method: str | None = None
+    exclude: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pattern, str):
+            try:
+                re.compile(self.pattern)
+            except re.error as error:
+                raise ValueError(f"pattern {self.pattern!r} is not a valid regular expression: {error}") from None
+        elif not (isinstance(self.pattern, type) and issubclass(self.pattern, nn.Module)):
+            raise TypeError(f"pattern must be a str or an nn.Module subclass, got {self.pattern!r}")
+        check_fraction("keep_ratio", self.keep_ratio, allow_none=True)
+        if self.method is not None:
+            check_choice("method", self.method, METHODS)
+        if not isinstance(self.exclude, bool):
+            raise TypeError(f"exclude must be a bool, got {self.exclude!r}")
+        if self.exclude and (self.keep_ratio is not None or self.method is not None):
+            raise ValueError("exclude=True cannot be combined with keep_ratio or method")
+
+    def matches(self, names: tuple[str, ...], module: nn.Module | None) -> bool:
+        """Whether this override applies to a layer known by ``names`` (and its module)."""
+        if isinstance(self.pattern, type):
+            return module is not None and isinstance(module, self.pattern)
+        if self.pattern in names:
+            return True
+        return any(re.fullmatch(self.pattern, name) for name in names if name)
+
+    def describe(self) -> str:
+        return self.pattern.__name__ if isinstance(self.pattern, type) else repr(self.pattern)
+
+
+@dataclass(frozen=True)
+class ApproxConfig:
+    """Finer control over tracing and the budget policy.
+
+    - ``leaf_modules``: module qualified names or types the tracer keeps opaque
+      (recurrent modules are always leaves).
+    - ``overrides``: :class:`LayerOverride` rules; the first matching rule wins.
+    - ``keep_ratio``: the keep-ratio the policy prefers; it approximates layers
+      in rank order at this ratio until the budget is met.
+    - ``min_keep_ratio``: the floor; if the budget needs less, the policy stops
+      at the floor and the report says what was achieved.
+    - ``min_channels``: layers reducing over fewer channels/features stay exact
+      (the 3-channel stem, tiny heads).
+    - ``min_k``: a layer whose kept-pair count would fall below this stays exact.
+    - ``progress``: show a progress bar while the analysis passes run.
+
+    Example::
+
+        >>> cfg = ApproxConfig(overrides=(LayerOverride("fc", exclude=True),), min_channels=64)
+        >>> approx = fxapprox.approximate(model, 0.5, config=cfg)
+    """
+
+    leaf_modules: tuple[str | type, ...] = ()
+    overrides: tuple[LayerOverride, ...] = ()
+    keep_ratio: float = 0.5
+    min_keep_ratio: float = 0.1
+    min_channels: int = 16
+    min_k: int = 4
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)):
+            raise TypeError(f"leaf_modules must be a tuple of module names or types, got {self.leaf_modules!r}")
+        for leaf in self.leaf_modules:
+            if not (isinstance(leaf, str) or (isinstance(leaf, type) and issubclass(leaf, nn.Module))):
+                raise TypeError(f"leaf_modules entries must be str or nn.Module subclasses, got {leaf!r}")
+        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
+        if not isinstance(self.overrides, (tuple, list)):
+            raise TypeError(f"overrides must be a tuple of LayerOverride, got {self.overrides!r}")
+        for rule in self.overrides:
+            if not isinstance(rule, LayerOverride):
+                raise TypeError(f"overrides entries must be LayerOverride, got {rule!r}")
+        object.__setattr__(self, "overrides", tuple(self.overrides))
+        check_fraction("keep_ratio", self.keep_ratio)
+        check_fraction("min_keep_ratio", self.min_keep_ratio)
+        if self.min_keep_ratio > self.keep_ratio:
+            raise ValueError(f"min_keep_ratio ({self.min_keep_ratio}) must be <= keep_ratio ({self.keep_ratio})")
+        check_int("min_channels", self.min_channels, minimum=1)
+        check_int("min_k", self.min_k, minimum=1)
+        if not isinstance(self.progress, bool):
+            raise TypeError(f"progress must be a bool, got {self.progress!r}")
+
+    def override_for(self, names: tuple[str, ...], module: nn.Module | None) -> LayerOverride | None:
+        """The first override matching a layer, or ``None``."""
+        for rule in self.overrides:
+            if rule.matches(names, module):
+                return rule
+        return None
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable description (types are written by name)."""
+        def name(value):
+            return value.__name__ if isinstance(value, type) else value
+        return {
+            "leaf_modules": [name(leaf) for leaf in self.leaf_modules],
+            "overrides": [
+                {"pattern": name(r.pattern), "keep_ratio": r.keep_ratio, "method": r.method, "exclude": r.exclude}
+                for r in self.overrides
+            ],
+            "keep_ratio": self.keep_ratio,
+            "min_keep_ratio": self.min_keep_ratio,
+            "min_channels": self.min_channels,
+            "min_k": self.min_k,
+        }

@@ -1,0 +1,26 @@
+"""Exceptions raised by fxapprox."""
+
+from __future__ import annotations
+
+
+class FxApproxError(Exception):
+    """Base class of every error fxapprox raises on purpose."""
+
+
+class TraceError(FxApproxError):
+    """The model could not be captured as a ``torch.fx`` graph.
+
+    The message names the module and the source line where tracing failed, and
+    suggests the fix: mark that module a leaf (``ApproxConfig(leaf_modules=...)``)
+    or trace the model yourself and pass the ``torch.fx.GraphModule``.
+    """
+
+    def __init__(self, message: str, *, module_path: str | None = None,
+                 source_line: str | None = None) -> None:
+        super().__init__(message)
+        self.module_path = module_path
+        self.source_line = source_line
+
+
+class PlanNotReadyError(FxApproxError, RuntimeError):
+    """The plan (and so the report) is made on the first batch; none was seen yet."""

@@ -1,0 +1,95 @@
+"""The rewrite report: per layer what was done (or why not), and the totals.
+
+``str(report)`` is a plain-text table, ``report.show()`` prints it with rich
+colours, ``report.to_dict()`` is JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from fxapprox.plan import Plan
+
+
+def _flops(value: int) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return str(value)
+
+
+def _bytes(value: int) -> str:
+    return f"{value / 2**20:.2f}" if value else "-"
+
+
+class Report:
+    """What :func:`fxapprox.approximate` planned for a model.
+
+    Example::
+
+        >>> approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
+        >>> print(approx.report)            # plain text
+        >>> approx.report.show()            # rich, in the terminal
+        >>> json.dumps(approx.report.to_dict())
+    """
+
+    def __init__(self, plan: Plan, model_name: str, input_shapes: list) -> None:
+        self.plan = plan
+        self.model_name = model_name
+        self.input_shapes = input_shapes
+
+    # -- data -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        plan = self.plan.to_dict()
+        total = self.plan.total_exact_flops or 1
+        for layer in plan["layers"]:
+            layer["flops_share"] = layer["exact_flops"] / total
+        return {"model": self.model_name, "input_shapes": self.input_shapes, **plan}
+
+    # -- rendering --------------------------------------------------------
+    def _table(self, plain: bool) -> Table:
+        plan = self.plan
+        total = plan.total_exact_flops or 1
+        table = Table(title=f"fxapprox plan for {self.model_name} (inputs {self.input_shapes})",
+                      box=box.ASCII if plain else box.SIMPLE_HEAVY, show_lines=False,
+                      caption=self._caption(), caption_justify="left")
+        for name, justify in (("rank", "right"), ("layer", "left"), ("op", "left"), ("out shape", "left"),
+                              ("in→out", "right"), ("train FLOPs", "right"), ("share", "right"),
+                              ("method", "left"), ("keep", "right"), ("planned", "right"),
+                              ("saved act MiB", "right"), ("why", "left")):
+            table.add_column(name, justify=justify, overflow="fold")
+        for d in plan.layers:
+            style = None if plain else ("green" if d.approximate else "dim")
+            channels = f"{d.in_channels}→{d.out_channels}" if d.in_channels is not None else "-"
+            table.add_row(
+                str(d.rank) if d.rank is not None else "-", d.target, d.op_kind or "-",
+                "x".join(map(str, d.shape)) if d.shape and all(isinstance(s, int) for s in d.shape) else "-",
+                channels, _flops(d.exact_flops), f"{d.exact_flops / total:.1%}",
+                d.method or "exact", f"{d.keep_ratio:.2f}" if d.approximate else "1",
+                _flops(d.planned_flops), _bytes(d.saved_bytes), d.reason, style=style)
+        return table
+
+    def _caption(self) -> str:
+        plan = self.plan
+        return (f"training FLOPs (fwd+bwd) exact {_flops(plan.total_exact_flops)}, planned "
+                f"{_flops(plan.total_planned_flops)} | budget asked {plan.budget:g}, achieved "
+                f"{plan.achieved:.3f} ({'met' if plan.budget_met else 'NOT met'}) | "
+                f"{len(plan.approximated)}/{len(plan.layers)} layers sampled ({plan.method})\n{plan.note}")
+
+    def __str__(self) -> str:
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=400, color_system=None, force_terminal=False, highlight=False)
+        console.print(self._table(plain=True))
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
+
+    def __repr__(self) -> str:
+        return (f"Report(model={self.model_name!r}, budget={self.plan.budget:g}, "
+                f"achieved={self.plan.achieved:.3f}, sampled={len(self.plan.approximated)}/{len(self.plan.layers)})")
+
+    def show(self, console: Console | None = None) -> None:
+        """Print the report as a rich table."""
+        (console or Console()).print(self._table(plain=False))

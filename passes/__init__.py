@@ -1,0 +1,25 @@
+"""Graph passes of fxapprox, installed as ``fxapprox.passes``.
+
+The pipeline, one file per stage, results in ``node.meta["fxapprox"]``:
+
+1. ``trace`` — capture the model (``ApproxTracer``; recurrent modules stay leaves)
+2. analysis — ``shape_prop``, ``flops``, ``saved_bytes``, ``channels`` (+ ``graph_view``)
+3. ``rank`` — order sampleable layers, widest and most expensive first
+4. ``budget_policy`` — the explicit :class:`fxapprox.plan.Plan`
+5. ``rewrite`` — swap planned nodes for sampled ops
+"""
+
+from fxapprox.passes.budget_policy import plan_budget
+from fxapprox.passes.channels import annotate_channels
+from fxapprox.passes.flops import count_flops
+from fxapprox.passes.graph_view import to_networkx
+from fxapprox.passes.rank import rank_layers
+from fxapprox.passes.rewrite import rewrite_sampled_ops
+from fxapprox.passes.saved_bytes import measure_saved_bytes
+from fxapprox.passes.shape_prop import propagate_shapes
+from fxapprox.passes.trace import ApproxTracer, trace
+
+__all__ = [
+    "ApproxTracer", "annotate_channels", "count_flops", "measure_saved_bytes", "plan_budget",
+    "propagate_shapes", "rank_layers", "rewrite_sampled_ops", "to_networkx", "trace",
+]

@@ -1,0 +1,79 @@
+"""Pass 2b — FLOPs: forward and backward FLOPs of every node, measured.
+
+Uses ``torch.utils.flop_counter.FlopCounterMode`` on each node in isolation
+(see ``passes/_isolation.py``), so the backward FLOPs reflect which gradients
+really exist (no input gradient for the stem conv, for instance). Writes
+``flops_fwd`` and ``flops_bwd`` into ``node.meta["fxapprox"]``.
+
+``FlopCounterMode`` has no formula for the oneDNN LSTM kernels that
+``nn.LSTM`` runs on CPU (it counts 0); we register one here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
+
+from fxapprox.passes._isolation import NodeIsolationInterpreter, run_backward
+from fxapprox.passes._meta import fx_meta
+
+# cuDNN/oneDNN RNN modes: RNN_RELU, RNN_TANH, LSTM, GRU.
+_GATES_BY_MODE = {0: 1, 1: 1, 2: 4, 3: 3}
+
+
+def _rnn_layer_flops(input_shape, w_ih_shape, w_hh_shape) -> int:
+    steps_times_batch = math.prod(input_shape[:-1])
+    gate_rows = w_ih_shape[0]
+    return 2 * steps_times_batch * gate_rows * (w_ih_shape[1] + w_hh_shape[1])
+
+
+def _register_rnn_formulas() -> None:
+    forward_op = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
+    backward_op = getattr(torch.ops.aten, "mkldnn_rnn_layer_backward", None)
+    if forward_op is not None and forward_op.default not in flop_registry:
+        @register_flop_formula(forward_op)
+        def _mkldnn_rnn_forward(input, weight0, weight1, *args, out_shape=None, **kwargs) -> int:
+            return _rnn_layer_flops(input, weight0, weight1)
+
+    if backward_op is not None and backward_op.default not in flop_registry:
+        @register_flop_formula(backward_op)
+        def _mkldnn_rnn_backward(input, weight1, weight2, *args, out_shape=None, **kwargs) -> int:
+            # input, hidden and both weight gradients: twice the forward GEMMs.
+            return 2 * _rnn_layer_flops(input, weight1, weight2)
+
+
+_register_rnn_formulas()
+
+
+class FlopCountInterpreter(NodeIsolationInterpreter):
+    """Measures each node's forward and backward FLOPs."""
+
+    description = "counting FLOPs"
+
+    def measure(self, node, run, grad_inputs) -> None:
+        with FlopCounterMode(display=False) as forward_counter:
+            outputs = run()
+        with FlopCounterMode(display=False) as backward_counter:
+            run_backward(outputs, grad_inputs)
+        meta = fx_meta(node)
+        meta["flops_fwd"] = int(forward_counter.get_total_flops())
+        meta["flops_bwd"] = int(backward_counter.get_total_flops())
+
+
+def count_flops(gm: torch.fx.GraphModule, *example_inputs, progress: bool = False) -> torch.fx.GraphModule:
+    """Annotate every node with ``flops_fwd`` / ``flops_bwd`` for one training step.
+
+    Example::
+
+        >>> count_flops(gm, torch.randn(8, 3, 64, 64))
+        >>> sum(n.meta["fxapprox"].get("flops_fwd", 0) for n in gm.graph.nodes)
+    """
+    for node in gm.graph.nodes:
+        meta = fx_meta(node)
+        meta["flops_fwd"] = 0
+        meta["flops_bwd"] = 0
+    FlopCountInterpreter(gm, progress=progress).run(*example_inputs)
+    return gm

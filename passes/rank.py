@@ -1,0 +1,39 @@
+"""Pass 3 — ranking: order the layers a sampled op could replace.
+
+The papers find that wide, expensive layers tolerate sampling best, and that
+is also where sampling saves the most. The score is the layer's measured
+training FLOPs times the square root of its reduction size (the number of
+column-row pairs it sums over), so among layers of similar cost the wider one
+comes first. Writes ``rank`` (1 = first) and ``rank_score``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.fx
+
+from fxapprox.passes._meta import fx_meta, train_flops
+
+#: layer kinds the rewrite pass knows how to sample (others stay exact with a reason)
+SAMPLEABLE_KINDS = ("linear", "conv2d", "linear_fn", "matmul")
+
+
+def rank_layers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Rank every node of a sampleable kind; returns them best first.
+
+    Example::
+
+        >>> ranked = rank_layers(gm)
+        >>> ranked[0].meta["fxapprox"]["rank"]
+        1
+    """
+    layers = [n for n in gm.graph.nodes if fx_meta(n).get("op_kind") in SAMPLEABLE_KINDS]
+    for node in layers:
+        meta = fx_meta(node)
+        meta["rank_score"] = float(train_flops(node) * math.sqrt(meta.get("reduction_size") or 1))
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    layers.sort(key=lambda n: (-fx_meta(n)["rank_score"], order[n]))
+    for rank, node in enumerate(layers, start=1):
+        fx_meta(node)["rank"] = rank
+    return layers
