@@ -11,7 +11,7 @@ Example::
 
 from fxapprox.api import ApproxGraphModule, analyse, approximate
 from fxapprox.config import ApproxConfig, LayerOverride
-from fxapprox.errors import FxApproxError, PlanNotReadyError, TraceError
+from fxapprox.errors import AnalysisError, FxApproxError, PlanNotReadyError, TraceError
 from fxapprox.export import export
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.report import Report
@@ -19,6 +19,6 @@ from fxapprox.report import Report
 __version__ = "0.1.0"
 
 __all__ = [
-    "ApproxConfig", "ApproxGraphModule", "FxApproxError", "LayerDecision", "LayerOverride", "Plan",
+    "AnalysisError", "ApproxConfig", "ApproxGraphModule", "FxApproxError", "LayerDecision", "LayerOverride", "Plan",
     "PlanNotReadyError", "Report", "TraceError", "analyse", "approximate", "export",
 ]

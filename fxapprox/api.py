@@ -50,8 +50,10 @@ def _measurement_sandbox(gm: torch.fx.GraphModule):
 def analyse(gm: torch.fx.GraphModule, example_inputs: tuple, progress: bool = False) -> torch.fx.GraphModule:
     """Run every analysis pass on ``gm`` (shapes, FLOPs, saved bytes, channels)."""
     with _measurement_sandbox(gm):
-        propagate_shapes(gm, *example_inputs)
+        # The FLOP pass runs first: it reports a model that fails on these inputs
+        # as an AnalysisError naming the node (ShapeProp would print a traceback).
         count_flops(gm, *example_inputs, progress=progress)
+        propagate_shapes(gm, *example_inputs)
         measure_saved_bytes(gm, *example_inputs, progress=progress)
     annotate_channels(gm)
     return gm

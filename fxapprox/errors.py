@@ -22,5 +22,9 @@ class TraceError(FxApproxError):
         self.source_line = source_line
 
 
+class AnalysisError(FxApproxError, RuntimeError):
+    """The model failed while the analysis passes ran it on the example inputs."""
+
+
 class PlanNotReadyError(FxApproxError, RuntimeError):
     """The plan (and so the report) is made on the first batch; none was seen yet."""

@@ -92,4 +92,8 @@ class Report:
 
     def show(self, console: Console | None = None) -> None:
         """Print the report as a rich table."""
-        (console or Console()).print(self._table(plain=False))
+        if console is None:
+            console = Console()
+            if not console.is_terminal:  # piped: do not fold the table into 80 columns
+                console = Console(width=240)
+        console.print(self._table(plain=False))

@@ -18,6 +18,8 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxapprox.errors import AnalysisError
+
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
@@ -64,6 +66,18 @@ class NodeIsolationInterpreter(torch.fx.Interpreter):
         raise NotImplementedError
 
     def run_node(self, n: torch.fx.Node):
+        try:
+            return self._measure_and_run(n)
+        except AnalysisError:
+            raise
+        except Exception as error:
+            from fxapprox.passes.graph_view import target_name
+
+            raise AnalysisError(
+                f"the model failed on the example inputs at node {n.name!r} ({n.op} {target_name(n)}): "
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
+
+    def _measure_and_run(self, n: torch.fx.Node):
         if n.op in COMPUTE_OPS:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             grad_leaves: list[torch.Tensor] = []

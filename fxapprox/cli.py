@@ -1,0 +1,136 @@
+"""Command line: ``fxapprox report MODEL ...`` and ``fxapprox export MODEL -o DIR ...``.
+
+MODEL is ``torchvision:NAME`` (randomly initialised, no download) or
+``package.module:callable`` (called with no arguments, must return an
+``nn.Module``). Errors are one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import torch
+from torch import nn
+
+from fxapprox.errors import AnalysisError, FxApproxError
+
+
+class CliError(Exception):
+    """A user error: printed as one line, no traceback."""
+
+
+def load_model(spec: str) -> nn.Module:
+    """Build the model a ``MODEL`` argument names."""
+    if ":" not in spec:
+        raise CliError(f"model {spec!r}: expected torchvision:NAME or package.module:callable")
+    source, name = spec.split(":", 1)
+    if source == "torchvision":
+        import torchvision
+
+        available = torchvision.models.list_models()
+        if name not in available:
+            raise CliError(f"unknown torchvision model {name!r} (see torchvision.models.list_models())")
+        return torchvision.models.get_model(name, weights=None)
+    try:
+        module = importlib.import_module(source)
+    except ImportError as error:
+        raise CliError(f"model {spec!r}: cannot import {source!r}: {error}") from None
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise CliError(f"model {spec!r}: {source!r} has no attribute {name!r}")
+    model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
+    if not isinstance(model, nn.Module):
+        raise CliError(f"model {spec!r}: {name} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise CliError(f"--input-shape {text!r}: expected comma-separated integers, e.g. 8,3,224,224") from None
+    if not shape or any(d < 0 for d in shape):
+        raise CliError(f"--input-shape {text!r}: dimensions must be non-negative integers")
+    return shape
+
+
+def _parse_budget(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise CliError(f"--budget {text!r}: expected a number in (0, 1]") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxapprox", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def common(sub):
+        sub.add_argument("model", help="torchvision:NAME or package.module:callable")
+        sub.add_argument("--budget", default="0.5", help="fraction of exact training FLOPs, in (0, 1] (0.5)")
+        sub.add_argument("--input-shape", default="8,3,224,224", help="example input shape (8,3,224,224)")
+        sub.add_argument("--method", default="topk", help="pair selection method (topk)")
+        sub.add_argument("--seed", type=int, default=0, help="seed for the random model and input (0)")
+
+    report = commands.add_parser("report", help="plan a model and print the rewrite report")
+    common(report)
+    report.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    export = commands.add_parser("export", help="plan a model and write the transformed graph to a directory")
+    common(export)
+    export.add_argument("-o", "--output", required=True, help="directory to write into")
+    return parser
+
+
+def _approximate(args, progress: bool):
+    import fxapprox
+    from fxapprox._validate import check_choice, check_fraction
+    from fxapprox.ops.sampling import METHODS
+
+    shape = parse_shape(args.input_shape)
+    try:  # before building the model: bad arguments fail fast
+        budget = check_fraction("budget", _parse_budget(args.budget))
+        check_choice("method", args.method, METHODS)
+    except (TypeError, ValueError) as error:
+        raise CliError(str(error)) from None
+    torch.manual_seed(args.seed)
+    model = load_model(args.model)
+    example = torch.randn(shape)
+    try:
+        return fxapprox.approximate(model, budget, example_inputs=(example,), method=args.method,
+                                    config=fxapprox.ApproxConfig(progress=progress))
+    except (TypeError, ValueError) as error:  # argument validation: one line, no traceback
+        raise CliError(str(error)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "report":
+            approx = _approximate(args, progress=not args.json and sys.stderr.isatty())
+            if args.json:
+                print(json.dumps(approx.report.to_dict(), indent=1))
+            else:
+                approx.report.show()
+        else:
+            import fxapprox
+
+            approx = _approximate(args, progress=sys.stderr.isatty())
+            paths = fxapprox.export(approx, args.output)
+            for kind, path in paths.items():
+                print(f"{kind:8s} {path}")
+    except CliError as error:
+        print(f"fxapprox: error: {error}", file=sys.stderr)
+        return 2
+    except FxApproxError as error:
+        print(f"fxapprox: error: {str(error).splitlines()[0]} (--input-shape {args.input_shape})"
+              if isinstance(error, AnalysisError) else f"fxapprox: error: {str(error).splitlines()[0]}",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+import networkx as nx
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxapprox.passes import (annotate_channels, count_flops, measure_saved_bytes, propagate_shapes,
+                             rank_layers, to_networkx, trace)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.wide = nn.Conv2d(16, 64, 3, padding=1)
+        self.fc = nn.Linear(64, 10)
+        self.proj = nn.Parameter(torch.randn(10, 20))
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        x = self.dw(x)
+        x = F.relu(self.wide(x))
+        return self.fc(x.mean((2, 3))) @ self.proj
+
+
+def _analysed(batch=2):
+    gm = trace(Net())
+    x = torch.randn(batch, 3, 8, 8)
+    count_flops(gm, x)
+    propagate_shapes(gm, x)
+    measure_saved_bytes(gm, x)
+    annotate_channels(gm)
+    return gm, {n.name: n.meta["fxapprox"] for n in gm.graph.nodes}
+
+
+def test_shapes_and_channels():
+    _, meta = _analysed()
+    assert meta["wide"]["shape"] == [2, 64, 8, 8] and meta["wide"]["dtype"] == "float32"
+    assert meta["wide"]["op_kind"] == "conv2d" and meta["wide"]["reduction_size"] == 16
+    assert meta["dw"]["groups"] == 16
+    assert meta["fc"]["in_channels"] == 64 and meta["fc"]["out_channels"] == 10
+    assert meta["matmul"]["op_kind"] == "matmul" and meta["matmul"]["parameter_side"] == "right"
+    assert meta["matmul"]["reduction_size"] == 10
+
+
+def test_flops_forward_and_backward_per_node():
+    _, meta = _analysed(batch=2)
+    # conv forward: 2 * N * Cout * H * W * Cin * kh * kw
+    assert meta["wide"]["flops_fwd"] == 2 * 2 * 64 * 8 * 8 * 16 * 9
+    assert meta["wide"]["flops_bwd"] == 2 * meta["wide"]["flops_fwd"]     # dX and dW
+    assert meta["stem"]["flops_bwd"] == meta["stem"]["flops_fwd"]         # no input gradient
+    assert meta["fc"]["flops_fwd"] == 2 * 2 * 64 * 10
+    assert meta["relu"]["flops_fwd"] == 0
+
+
+def test_saved_bytes_exclude_parameters():
+    _, meta = _analysed(batch=2)
+    # Linear saves its input (2x64 fp32); the weight is a parameter, not an activation.
+    assert meta["fc"]["saved_bytes"] == 2 * 64 * 4
+    assert meta["matmul"]["saved_bytes"] == 2 * 10 * 4
+    assert meta["wide"]["saved_bytes"] == 2 * 16 * 8 * 8 * 4
+
+
+def test_rank_prefers_expensive_wide_layers():
+    gm, _ = _analysed()
+    ranked = [n.name for n in rank_layers(gm)]
+    assert ranked[0] == "wide"
+    assert set(ranked) == {"stem", "dw", "wide", "fc", "matmul"}
+
+
+def test_networkx_view():
+    gm, _ = _analysed()
+    graph = to_networkx(gm)
+    assert nx.is_directed_acyclic_graph(graph)
+    assert graph.has_edge("stem", "relu")
+    assert graph.nodes["wide"]["fxapprox"]["op_kind"] == "conv2d"
+
+
+def test_lstm_flops_formula():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(8, 16, batch_first=True)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    gm = trace(Model())
+    count_flops(gm, torch.randn(3, 5, 8))
+    node = next(n for n in gm.graph.nodes if n.target == "lstm")
+    expected = 2 * 3 * 5 * 64 * (8 + 16)
+    assert node.meta["fxapprox"]["flops_fwd"] == expected
+    assert node.meta["fxapprox"]["flops_bwd"] == 2 * expected

@@ -1,0 +1,61 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fxapprox.cli import main
+
+CLI = [sys.executable, "-m", "fxapprox.cli"]
+
+
+def _run(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_report_json():
+    result = _run("report", "torchvision:resnet18", "--budget", "0.5", "--input-shape", "2,3,32,32", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["budget_met"] and data["model"] == "ResNet"
+
+
+def test_report_table():
+    result = _run("report", "torchvision:resnet18", "--input-shape", "2,3,32,32")
+    assert result.returncode == 0, result.stderr
+    assert "layer4.1.conv2" in result.stdout and "budget asked 0.5" in result.stdout
+
+
+def test_export(tmp_path):
+    result = _run("export", "tests.test_cli:tiny_model", "-o", str(tmp_path), "--input-shape", "4,32")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "graph.json").exists() and "graph.py" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("report", "torchvision:not_a_model"), "unknown torchvision model"),
+    (("report", "resnet18"), "expected torchvision:NAME"),
+    (("report", "no_such_pkg.mod:f"), "cannot import"),
+    (("report", "torchvision:resnet18", "--budget", "2"), "budget must be in (0, 1]"),
+    (("report", "torchvision:resnet18", "--budget", "half"), "--budget 'half'"),
+    (("report", "torchvision:resnet18", "--input-shape", "1,x"), "--input-shape '1,x'"),
+    (("report", "torchvision:resnet18", "--input-shape", "2,5,32,32"), "failed on the example inputs"),
+    (("report", "torchvision:resnet18", "--method", "nope"), "method must be one of"),
+])
+def test_errors_are_one_line(args, message, capsys):
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_error_in_a_subprocess_has_no_traceback():
+    result = _run("report", "torchvision:resnet18", "--budget", "0")
+    assert result.returncode == 2 and result.stderr.startswith("fxapprox: error: budget")
+    assert "Traceback" not in result.stderr
+
+
+def tiny_model():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
