@@ -10,6 +10,7 @@ Example::
 """
 
 from fxapprox.api import ApproxGraphModule, analyse, approximate
+from fxapprox.calibration import recalibrate_bn
 from fxapprox.config import ApproxConfig, LayerOverride
 from fxapprox.errors import AnalysisError, FxApproxError, PlanNotReadyError, TraceError
 from fxapprox.export import export
@@ -20,5 +21,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnalysisError", "ApproxConfig", "ApproxGraphModule", "FxApproxError", "LayerDecision", "LayerOverride", "Plan",
-    "PlanNotReadyError", "Report", "TraceError", "analyse", "approximate", "export",
+    "PlanNotReadyError", "Report", "TraceError", "analyse", "approximate", "export", "recalibrate_bn",
 ]

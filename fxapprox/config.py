@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from fxapprox._validate import check_choice, check_fraction, check_int
+from fxapprox.modules import MODES
 from fxapprox.ops.sampling import METHODS
+
+#: how the plan is made: spend the FLOP budget ("budget") or every eligible layer at keep_ratio ("uniform")
+POLICIES = ("budget", "uniform")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class LayerOverride:
     pattern: str | type
     keep_ratio: float | None = None
     method: str | None = None
+    mode: str | None = None
     exclude: bool = False
 
     def __post_init__(self) -> None:
@@ -47,10 +52,12 @@ class LayerOverride:
         check_fraction("keep_ratio", self.keep_ratio, allow_none=True)
         if self.method is not None:
             check_choice("method", self.method, METHODS)
+        if self.mode is not None:
+            check_choice("mode", self.mode, MODES)
         if not isinstance(self.exclude, bool):
             raise TypeError(f"exclude must be a bool, got {self.exclude!r}")
-        if self.exclude and (self.keep_ratio is not None or self.method is not None):
-            raise ValueError("exclude=True cannot be combined with keep_ratio or method")
+        if self.exclude and (self.keep_ratio is not None or self.method is not None or self.mode is not None):
+            raise ValueError("exclude=True cannot be combined with keep_ratio, method or mode")
 
     def matches(self, names: tuple[str, ...], module: nn.Module | None) -> bool:
         """Whether this override applies to a layer known by ``names`` (and its module)."""
@@ -78,6 +85,15 @@ class ApproxConfig:
     - ``min_channels``: layers reducing over fewer channels/features stay exact
       (the 3-channel stem, tiny heads).
     - ``min_k``: a layer whose kept-pair count would fall below this stays exact.
+    - ``mode``: ``"forward"`` sampling (default; forward, input- and weight-gradient
+      GEMMs all shrink) or ``"backward"`` sampling (forward exact, both backward
+      GEMMs sampled).
+    - ``random_share``: share of top-k's kept pairs drawn at random instead, so no
+      column starves (never picked, never updated); 0 gives pure top-k.
+    - ``policy``: ``"budget"`` (default) spends the FLOP budget as described in
+      ``fxapprox.passes.budget_policy``; ``"uniform"`` is the papers' recipe —
+      every eligible layer at ``keep_ratio`` (combine with ``min_channels`` for
+      "layers with ≥ N channels at ratio r"); see :meth:`paper_recipe`.
     - ``progress``: show a progress bar while the analysis passes run.
 
     Example::
@@ -92,6 +108,9 @@ class ApproxConfig:
     min_keep_ratio: float = 0.1
     min_channels: int = 16
     min_k: int = 4
+    mode: str = "forward"
+    random_share: float = 0.05
+    policy: str = "budget"
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -113,8 +132,25 @@ class ApproxConfig:
             raise ValueError(f"min_keep_ratio ({self.min_keep_ratio}) must be <= keep_ratio ({self.keep_ratio})")
         check_int("min_channels", self.min_channels, minimum=1)
         check_int("min_k", self.min_k, minimum=1)
+        check_choice("mode", self.mode, MODES)
+        check_fraction("random_share", self.random_share, allow_zero=True)
+        if self.random_share >= 1.0:
+            raise ValueError(f"random_share must be in [0, 1), got {self.random_share!r}")
+        check_choice("policy", self.policy, POLICIES)
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress must be a bool, got {self.progress!r}")
+
+    @classmethod
+    def paper_recipe(cls, keep_ratio: float = 0.5, min_channels: int = 64, **kwargs) -> "ApproxConfig":
+        """The papers' fixed recipes: every sampleable layer with ≥ ``min_channels`` at ``keep_ratio``.
+
+        ``paper_recipe(0.5, min_channels=1024)`` is Adelman et al.'s ResNet-50 setting
+        (50% sampling of the layers with ≥ 1024 channels); ``paper_recipe(0.5, 16)``
+        is "every conv except the 3-channel stem at 0.5". The budget is then only
+        reported against, not used for allocation.
+        """
+        return cls(policy="uniform", keep_ratio=keep_ratio, min_keep_ratio=min(keep_ratio, 0.1),
+                   min_channels=min_channels, **kwargs)
 
     def override_for(self, names: tuple[str, ...], module: nn.Module | None) -> LayerOverride | None:
         """The first override matching a layer, or ``None``."""
@@ -130,11 +166,15 @@ class ApproxConfig:
         return {
             "leaf_modules": [name(leaf) for leaf in self.leaf_modules],
             "overrides": [
-                {"pattern": name(r.pattern), "keep_ratio": r.keep_ratio, "method": r.method, "exclude": r.exclude}
+                {"pattern": name(r.pattern), "keep_ratio": r.keep_ratio, "method": r.method, "mode": r.mode,
+                 "exclude": r.exclude}
                 for r in self.overrides
             ],
             "keep_ratio": self.keep_ratio,
             "min_keep_ratio": self.min_keep_ratio,
             "min_channels": self.min_channels,
             "min_k": self.min_k,
+            "mode": self.mode,
+            "random_share": self.random_share,
+            "policy": self.policy,
         }

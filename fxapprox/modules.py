@@ -15,26 +15,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxapprox._validate import check_choice, check_int
-from fxapprox.ops.conv import sampled_conv2d
-from fxapprox.ops.linear import sampled_linear
+from fxapprox._validate import check_choice, check_fraction, check_int
+from fxapprox.ops.conv import backward_sampled_conv2d, pair_scores_conv2d, sampled_conv2d
+from fxapprox.ops.linear import backward_sampled_linear, pair_scores_linear, sampled_linear
 from fxapprox.ops.sampling import METHODS
+
+MODES = ("forward", "backward")
 
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """What one approximated node does: keep ``k`` of ``n`` pairs with ``method``."""
+    """What one approximated node does: keep ``k`` of ``n`` pairs with ``method``.
+
+    ``mode="forward"`` samples the ``n`` reduction pairs of the forward product
+    (all three GEMMs shrink); ``mode="backward"`` keeps the forward exact and
+    samples both backward GEMMs at keep-ratio ``k / n``. ``random_share`` is the
+    share of top-k's slots drawn at random (the guard against starved columns).
+    """
 
     method: str
     k: int
     n: int
+    mode: str = "forward"
+    random_share: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
+        check_choice("mode", self.mode, MODES)
         check_int("n", self.n, minimum=1)
         check_int("k", self.k, minimum=1)
         if self.k > self.n:
             raise ValueError(f"k must be in [1, n={self.n}], got {self.k}")
+        check_fraction("random_share", self.random_share, allow_zero=True)
+        if self.random_share >= 1.0:
+            raise ValueError(f"random_share must be in [0, 1), got {self.random_share}")
 
     @property
     def keep_ratio(self) -> float:
@@ -59,11 +73,28 @@ class ApproxOp:
         """True when the next forward call samples (training mode, switched on)."""
         return self.training and self.fxapprox_enabled and self.fxapprox_spec.k < self.fxapprox_spec.n
 
+    def pair_scores(self, *args) -> torch.Tensor:
+        """The forward-sampling pair scores for the arguments the module is called with."""
+        raise NotImplementedError
+
     def extra_repr(self) -> str:  # type: ignore[override]
         base = super().extra_repr()  # type: ignore[misc]
         spec = self.fxapprox_spec
-        text = f"method={spec.method}, k={spec.k}/{spec.n}, enabled={self.fxapprox_enabled}"
+        text = f"method={spec.method}, mode={spec.mode}, k={spec.k}/{spec.n}, enabled={self.fxapprox_enabled}"
         return f"{base}, {text}" if base else text
+
+
+def _linear(spec: SamplingSpec, x, weight, bias):
+    if spec.mode == "backward":
+        return backward_sampled_linear(x, weight, bias, spec.keep_ratio, spec.method, spec.random_share)
+    return sampled_linear(x, weight, bias, spec.k, spec.method, spec.random_share)
+
+
+def _conv2d(spec: SamplingSpec, x, weight, bias, stride, padding, dilation):
+    if spec.mode == "backward":
+        return backward_sampled_conv2d(x, weight, bias, spec.keep_ratio, stride, padding, dilation, spec.method,
+                                       spec.random_share)
+    return sampled_conv2d(x, weight, bias, spec.k, stride, padding, dilation, spec.method, spec.random_share)
 
 
 def _adopt(cls, original: nn.Module):
@@ -89,8 +120,10 @@ class ApproxLinear(ApproxOp, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.approximating:
             return F.linear(x, self.weight, self.bias)
-        spec = self.fxapprox_spec
-        return sampled_linear(x, self.weight, self.bias, spec.k, spec.method)
+        return _linear(self.fxapprox_spec, x, self.weight, self.bias)
+
+    def pair_scores(self, x):
+        return pair_scores_linear(x.reshape(-1, x.shape[-1]), self.weight)
 
 
 def resolve_conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
@@ -125,13 +158,14 @@ class ApproxConv2d(ApproxOp, nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.approximating:
             return self._conv_forward(x, self.weight, self.bias)
-        spec = self.fxapprox_spec
         padding = self._numeric_padding
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = (0, 0)
-        return sampled_conv2d(x, self.weight, self.bias, spec.k, self.stride, padding,
-                              self.dilation, spec.method)
+        return _conv2d(self.fxapprox_spec, x, self.weight, self.bias, self.stride, padding, self.dilation)
+
+    def pair_scores(self, x):
+        return pair_scores_conv2d(x, self.weight)
 
 
 class ApproxFunctionalLinear(ApproxOp, nn.Module):
@@ -144,7 +178,27 @@ class ApproxFunctionalLinear(ApproxOp, nn.Module):
     def forward(self, x, weight, bias=None):
         if not self.approximating:
             return F.linear(x, weight, bias)
-        return sampled_linear(x, weight, bias, self.fxapprox_spec.k, self.fxapprox_spec.method)
+        return _linear(self.fxapprox_spec, x, weight, bias)
+
+    def pair_scores(self, x, weight, bias=None):
+        return pair_scores_linear(x.reshape(-1, x.shape[-1]), weight)
+
+
+class ApproxFunctionalConv2d(ApproxOp, nn.Module):
+    """Stands in for a ``F.conv2d(x, weight, bias, stride, padding, dilation)`` call (groups=1)."""
+
+    def __init__(self, spec: SamplingSpec, stride=1, padding=0, dilation=1) -> None:
+        super().__init__()
+        self._init_approx(spec)
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+
+    def forward(self, x, weight, bias=None):
+        if not self.approximating:
+            return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, 1)
+        return _conv2d(self.fxapprox_spec, x, weight, bias, self.stride, self.padding, self.dilation)
+
+    def pair_scores(self, x, weight, bias=None):
+        return pair_scores_conv2d(x, weight)
 
 
 class ApproxMatmul(ApproxOp, nn.Module):
@@ -162,13 +216,18 @@ class ApproxMatmul(ApproxOp, nn.Module):
     def forward(self, a, b):
         if not self.approximating:
             return torch.matmul(a, b)
-        spec = self.fxapprox_spec
         if self.parameter_side == "right":
-            return sampled_linear(a, b.t(), None, spec.k, spec.method)
-        return sampled_linear(b.transpose(-1, -2), a, None, spec.k, spec.method).transpose(-1, -2)
+            return _linear(self.fxapprox_spec, a, b.t(), None)
+        return _linear(self.fxapprox_spec, b.transpose(-1, -2), a, None).transpose(-1, -2)
+
+    def pair_scores(self, a, b):
+        if self.parameter_side == "right":
+            return pair_scores_linear(a.reshape(-1, a.shape[-1]), b.t())
+        x = b.transpose(-1, -2)
+        return pair_scores_linear(x.reshape(-1, x.shape[-1]), a)
 
     def extra_repr(self) -> str:
         return f"parameter_side={self.parameter_side}, " + super().extra_repr()
 
 
-APPROX_MODULE_TYPES = (ApproxLinear, ApproxConv2d, ApproxFunctionalLinear, ApproxMatmul)
+APPROX_MODULE_TYPES = (ApproxLinear, ApproxConv2d, ApproxFunctionalLinear, ApproxFunctionalConv2d, ApproxMatmul)

@@ -25,8 +25,10 @@ class LayerDecision:
     approximate: bool
     reason: str
     method: str | None = None
+    mode: str | None = None
     k: int | None = None
     n: int | None = None
+    random_share: float = 0.0
     rank: int | None = None
     saved_bytes: int = 0
 

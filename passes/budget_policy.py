@@ -2,8 +2,9 @@
 
 ``budget`` is the fraction of the exact model's training-step FLOPs (forward +
 backward, as measured by the flops pass) the approximated model may spend.
-Sampling a layer at keep-ratio ``k/n`` multiplies its training FLOPs by
-``k/n`` (forward sampling shrinks all three GEMMs).
+Sampling a layer at keep-ratio ``k/n`` multiplies its *sampled* FLOPs by
+``k/n``: all of its training FLOPs in forward mode (the three GEMMs shrink),
+its backward FLOPs in backward mode (the forward stays exact).
 
 The policy:
 
@@ -18,6 +19,9 @@ The policy:
 4. if even every eligible layer at ``keep_ratio`` is not enough, lowers one
    common ratio for all of them, never below ``min_keep_ratio``; if the budget
    is still out of reach, the plan says what was achieved and why.
+
+With ``policy="uniform"`` steps 3–4 are replaced by the papers' recipe: every
+eligible layer at ``keep_ratio``; the budget is then only reported against.
 """
 
 from __future__ import annotations
@@ -62,13 +66,17 @@ def _blocker(node: torch.fx.Node, meta: dict, config: ApproxConfig, calls: Count
             return f"opaque leaf module ({meta.get('module_type')}): its inside is not traced"
         return f"{target_name(node)}: no sampled version of this op"
     if kind not in SAMPLEABLE_KINDS:
-        return f"{meta.get('module_type', kind)}: only Linear, Conv2d, linear and matmul are sampled"
-    if kind in ("linear_fn", "matmul") and not meta.get("parameter_operand"):
-        return "both operands are activations (no 2-D parameter operand)"
-    if kind == "conv2d":
+        return f"{meta.get('module_type', kind)}: only Linear, Conv2d, linear, conv2d and matmul are sampled"
+    if kind in ("linear_fn", "conv2d_fn", "matmul") and not meta.get("parameter_operand"):
+        return "no parameter operand (both operands are activations)"
+    if kind == "conv2d_fn" and not meta.get("numeric_padding", True):
+        return "functional conv2d with string or traced padding: not sampled"
+    if kind in ("conv2d", "conv2d_fn"):
         groups = meta.get("groups", 1)
         if groups == meta.get("in_channels") and groups > 1:
             return "depthwise conv (groups == in_channels): one channel per group, nothing to sample"
+        if groups is None:
+            return "functional conv2d with traced groups: not sampled"
         if groups != 1:
             return f"grouped conv (groups={groups}): channel sampling per group not supported"
     if node.op == "call_module" and calls[node.target] > 1:
@@ -117,6 +125,7 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
     reasons: dict[torch.fx.Node, str] = {}
     chosen_k: dict[torch.fx.Node, int] = {}
     methods: dict[torch.fx.Node, str] = {}
+    modes: dict[torch.fx.Node, str] = {}
     pinned: set[torch.fx.Node] = set()
     candidates: list[torch.fx.Node] = []
 
@@ -132,6 +141,7 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
             reasons[node] = blocker
             continue
         methods[node] = (override.method if override and override.method else method)
+        modes[node] = (override.mode if override and override.mode else config.mode)
         n = meta["reduction_size"]
         if override is not None and override.keep_ratio is not None:
             k = _k_at(override.keep_ratio, n)
@@ -146,8 +156,11 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
 
     candidates.sort(key=lambda n: fx_meta(n).get("rank", math.inf))
 
+    def sampled_flops(node: torch.fx.Node) -> int:
+        return train_flops(node) if modes[node] == "forward" else int(fx_meta(node).get("flops_bwd", 0))
+
     def saving(node: torch.fx.Node, k: int) -> float:
-        return (1.0 - k / fx_meta(node)["reduction_size"]) * train_flops(node)
+        return (1.0 - k / fx_meta(node)["reduction_size"]) * sampled_flops(node)
 
     needed = total - target
     saved = sum(saving(n, k) for n, k in chosen_k.items())
@@ -155,6 +168,17 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
     if budget >= 1.0:
         for node in candidates:
             reasons[node] = "budget 1.0: exact training requested"
+    elif config.policy == "uniform":
+        for node in candidates:
+            n = fx_meta(node)["reduction_size"]
+            k = _k_at(config.keep_ratio, n)
+            if k < config.min_k:
+                reasons[node] = f"k={k} at keep-ratio {config.keep_ratio:g} < min_k={config.min_k}"
+            elif k >= n:
+                reasons[node] = f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs"
+            else:
+                chosen_k[node] = k
+                reasons[node] = f"uniform recipe: keep-ratio {config.keep_ratio:g} for >= {config.min_channels} channels"
     else:
         # Phase 3 of the docstring: rank order at the preferred keep-ratio.
         for node in candidates:
@@ -177,14 +201,14 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
             last = walked[-1]
             n = fx_meta(last)["reduction_size"]
             before = saved - saving(last, chosen_k[last])
-            ratio = 1.0 - (needed - before) / train_flops(last)
+            ratio = 1.0 - (needed - before) / sampled_flops(last)
             chosen_k[last] = max(chosen_k[last], _k_at(ratio, n))
             saved = before + saving(last, chosen_k[last])
             reasons[last] = f"rank {fx_meta(last)['rank']}: keep-ratio raised to cut no more than the budget needs"
         elif walked and saved < needed - _TOLERANCE:
             # Phase 4: one common, lower ratio for every walked layer.
             fixed = sum(saving(n, chosen_k[n]) for n in pinned if n in chosen_k)
-            walked_flops = sum(train_flops(n) for n in walked)
+            walked_flops = sum(sampled_flops(n) for n in walked)
             ratio = max(config.min_keep_ratio, 1.0 - (needed - fixed) / walked_flops)
             while True:
                 for node in walked:
@@ -206,14 +230,18 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
         k = chosen_k.get(node)
         n = meta.get("reduction_size")
         approximate = k is not None and k < n
-        planned = round(exact * k / n) if approximate else exact
+        planned = exact
+        if approximate:
+            planned = round(exact - (1.0 - k / n) * sampled_flops(node))
         planned_total -= exact - planned
         decision = LayerDecision(
             node=node.name, target=target_name(node), op_kind=meta.get("op_kind"), shape=meta.get("shape"),
             in_channels=meta.get("in_channels"), out_channels=meta.get("out_channels"), exact_flops=exact,
             planned_flops=planned, approximate=approximate, reason=reasons[node],
-            method=methods.get(node) if approximate else None, k=k if approximate else None,
-            n=n if approximate else None, rank=meta.get("rank"), saved_bytes=int(meta.get("saved_bytes", 0)))
+            method=methods.get(node) if approximate else None, mode=modes.get(node) if approximate else None,
+            k=k if approximate else None, n=n if approximate else None,
+            random_share=config.random_share if approximate and methods[node] == "topk" else 0.0,
+            rank=meta.get("rank"), saved_bytes=int(meta.get("saved_bytes", 0)))
         meta["plan"] = decision.to_dict()
         decisions.append(decision)
 
@@ -231,6 +259,10 @@ def _note(budget, total, planned, met, decisions, config) -> str:
     if budget >= 1.0:
         return "budget 1.0: the plan is exact"
     sampled = sum(d.approximate for d in decisions)
+    if config.policy == "uniform":
+        return (f"uniform recipe (keep-ratio {config.keep_ratio:g} for layers with >= {config.min_channels} "
+                f"channels): {sampled} layer(s) sampled, planned {achieved:.3f} of exact training FLOPs; "
+                f"budget {budget:g} {'met' if met else 'not met'}")
     if met:
         return f"budget {budget:g} met: {sampled} layer(s) sampled, planned {achieved:.3f} of exact training FLOPs"
     exact_share = sum(d.exact_flops for d in decisions if not d.approximate) / total

@@ -20,6 +20,17 @@ from fxapprox.passes._meta import fx_meta
 
 MATMUL_TARGETS = (torch.matmul, operator.matmul, torch.mm)
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
+CONV2D_TARGETS = (F.conv2d, torch.conv2d)
+CONV2D_ARG_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+CONV2D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+def conv2d_call_args(node: torch.fx.Node) -> dict:
+    """The arguments of a ``F.conv2d`` call node by name, defaults filled in."""
+    values = dict(CONV2D_DEFAULTS)
+    values.update(zip(CONV2D_ARG_NAMES, node.args))
+    values.update(node.kwargs)
+    return values
 
 _MODULE_KINDS: tuple[tuple[type[nn.Module], str], ...] = (
     (nn.Linear, "linear"),
@@ -73,6 +84,16 @@ def _function_info(gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict:
         if weight is not None and weight.dim() == 2:
             info.update(in_channels=weight.shape[1], out_channels=weight.shape[0], groups=1,
                         reduction_size=weight.shape[1], parameter_side="right")
+        return info
+    if node.target in CONV2D_TARGETS:
+        call = conv2d_call_args(node)
+        weight = _parameter_of(gm, call["weight"])
+        info = {"op_kind": "conv2d_fn", "parameter_operand": weight is not None}
+        if weight is not None and weight.dim() == 4:
+            groups = call["groups"] if isinstance(call["groups"], int) else None
+            info.update(in_channels=weight.shape[1] * (groups or 1), out_channels=weight.shape[0], groups=groups,
+                        reduction_size=weight.shape[1], kernel_size=list(weight.shape[2:]),
+                        numeric_padding=not isinstance(call["padding"], (str, torch.fx.Node)))
         return info
     if node.target in MATMUL_TARGETS or (node.op == "call_method" and node.target == "matmul"):
         left, right = (list(node.args) + [None, None])[:2]

@@ -1,26 +1,34 @@
 """Column-row pair selection: the part of CRS that decides *which* pairs to keep.
 
-A selector takes the importance score of every pair (``‖A[:, i]‖·‖B[i, :]‖``,
-shape ``(n,)``) and the number ``k`` of pairs to keep, and returns the kept
-indices (sorted ascending, so the gathers that follow walk memory in order)
-and, for unbiased estimators, a per-kept-pair scale (``None`` when no scaling
-is applied). Selectors are registered by name; ``method=`` on
+A selector takes the importance score of every pair (``w_i = ‖A[:, i]‖·‖B[i, :]‖``,
+shape ``(n,)``), the number ``k`` of pairs to keep and the ``random_share`` of
+``k`` to draw uniformly (top-k's guard against starving a column), and returns
+the kept indices (sorted ascending, so the gathers that follow walk memory in
+order) and, for the unbiased estimators, a per-kept-pair scale (``None`` when
+no scaling is applied). Selectors are registered by name; ``method=`` on
 :func:`fxapprox.approximate` picks one.
+
+No selector synchronises with the host except through the size of its output
+(``crs`` and ``bernoulli`` keep a data-dependent number of distinct pairs).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
-Selector = Callable[[torch.Tensor, int], "tuple[torch.Tensor, torch.Tensor | None]"]
+Selector = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
 
 METHODS: dict[str, Selector] = {}
 
+#: weight of the uniform distribution mixed into CRS probabilities (the papers' code uses 0.1)
+CRS_UNIFORM_MIX = 0.1
+
 
 def register_method(name: str) -> Callable[[Selector], Selector]:
-    """Register a pair selector under ``name`` (used by ``method=``)."""
+    """Register a pair selector ``(scores, k, random_share) -> (kept, scale)`` under ``name``."""
 
     def decorator(selector: Selector) -> Selector:
         if name in METHODS:
@@ -32,18 +40,87 @@ def register_method(name: str) -> Callable[[Selector], Selector]:
 
 
 @register_method("topk")
-def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, None]:
-    """top-k-CRS: keep the ``k`` pairs with the largest scores, unscaled (biased)."""
-    k = min(k, scores.numel())
-    kept = torch.topk(scores, k, sorted=False).indices
-    return kept.sort().values, None
+def select_topk(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, None]:
+    """top-k-CRS: keep the ``k`` pairs with the largest scores, unscaled (biased).
+
+    With ``random_share > 0``, ``round(random_share * k)`` of the ``k`` slots go to
+    pairs drawn uniformly from those not in the top group, so that no column is
+    starved forever (a never-picked weight column would never get a gradient).
+    """
+    n = scores.numel()
+    k = min(k, n)
+    explore = min(int(round(random_share * k)), n - k) if random_share > 0 else 0
+    top = torch.topk(scores, k - explore, sorted=False).indices
+    if explore:
+        others = torch.ones(n, dtype=torch.float32, device=scores.device)
+        others[top] = 0.0
+        top = torch.cat([top, torch.multinomial(others, explore, replacement=False)])
+    return top.sort().values, None
 
 
-def select_pairs(method: str, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def crs_probabilities(scores: torch.Tensor) -> torch.Tensor:
+    """CRS sampling distribution: ``p ∝ w`` mixed with a uniform floor (uniform when all w = 0)."""
+    n = scores.numel()
+    total = scores.sum()
+    proportional = torch.where(total > 0, scores / total.clamp_min(torch.finfo(scores.dtype).tiny),
+                               torch.full_like(scores, 1.0 / n))
+    return (1.0 - CRS_UNIFORM_MIX) * proportional + CRS_UNIFORM_MIX / n
+
+
+@register_method("crs")
+def select_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """CRS: ``k`` i.i.d. draws with ``p_i ∝ w_i`` (uniform-mixed), pair ``i`` scaled by ``c_i / (k p_i)``.
+
+    ``c_i`` is how many times pair ``i`` was drawn, so duplicates are merged into one
+    kept pair (the smaller GEMM never sees the same column twice). Unbiased.
+    """
+    probabilities = crs_probabilities(scores.float())
+    draws = torch.multinomial(probabilities, k, replacement=True)
+    kept, counts = torch.unique(draws, sorted=True, return_counts=True)
+    return kept, counts.to(torch.float32) / (k * probabilities[kept])
+
+
+def bernoulli_probabilities(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``p_i = min(1, c·w_i)`` with ``c`` chosen so that ``Σ p_i = k`` (clamped mass redistributed).
+
+    With the weights sorted descending, if the ``m`` largest are clamped to 1 the
+    rest share ``k - m``: ``c = (k - m) / Σ_{j≥m} w_j``; the right ``m`` is the
+    smallest for which the largest unclamped weight satisfies ``c·w_m ≤ 1``.
+    """
+    weights = scores.float()
+    n = weights.numel()
+    if k >= n:
+        return torch.ones_like(weights)
+    positive = int(torch.count_nonzero(weights))
+    if positive <= k:  # every pair that contributes anything is kept surely
+        return (weights > 0).to(weights.dtype) if positive else torch.full_like(weights, k / n)
+    ordered, order = torch.sort(weights, descending=True)
+    tail = ordered.flip(0).cumsum(0).flip(0)                   # Σ_{j≥m} w_j
+    clamped = torch.arange(k + 1, device=weights.device, dtype=weights.dtype)
+    scale = (k - clamped) / tail[: k + 1]
+    fits = scale * ordered[: k + 1] <= 1.0 + 1e-6
+    m = int(torch.argmax(fits.to(torch.int8)))                 # first m that fits
+    probabilities = torch.clamp(scale[m] * weights, max=1.0)
+    probabilities[order[:m]] = 1.0
+    return probabilities
+
+
+@register_method("bernoulli")
+def select_bernoulli(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bernoulli-CRS: keep pair ``i`` independently with ``p_i`` (expected count ``k``), scaled by ``1/p_i``."""
+    probabilities = bernoulli_probabilities(scores, k)
+    kept = torch.nonzero(torch.rand_like(probabilities) < probabilities).flatten()
+    return kept, 1.0 / probabilities[kept]
+
+
+def select_pairs(method: str, scores: torch.Tensor, k: int,
+                 random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Select ``k`` of the ``scores.numel()`` pairs with the registered ``method``."""
     try:
         selector = METHODS[method]
     except KeyError:
         allowed = ", ".join(repr(m) for m in sorted(METHODS))
         raise ValueError(f"method must be one of {allowed}, got {method!r}") from None
-    return selector(scores, k)
+    if not 0.0 <= random_share < 1.0 or math.isnan(random_share):
+        raise ValueError(f"random_share must be in [0, 1), got {random_share!r}")
+    return selector(scores, k, random_share)

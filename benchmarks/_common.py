@@ -1,0 +1,61 @@
+"""Shared helpers of the benchmark scripts: interleaved timing, tables, BENCHMARKS.md sections."""
+
+from __future__ import annotations
+
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+
+
+def interleaved_medians(steps: dict, repetitions: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each callable in ``steps``, run round-robin so drift hits all alike."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repetitions):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def machine_line() -> str:
+    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    table = Table(title=title)
+    console = Console(width=220)
+    for header in headers:
+        table.add_column(header)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def write_section(name: str, markdown: str) -> None:
+    """Replace (or append) the section ``name`` of BENCHMARKS.md."""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else (
+        "# Benchmarks\n\nEvery table below is written by the script named in its section; rerun it to refresh.\n")
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    BENCHMARKS_MD.write_text(text)

@@ -1,0 +1,160 @@
+"""Statistical and structural tests of the pair selectors and the sampling modes."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxapprox.ops import (backward_sampled_conv2d, backward_sampled_linear, sampled_conv2d, sampled_linear,
+                          select_pairs)
+from fxapprox.ops.sampling import bernoulli_probabilities, crs_probabilities
+
+
+def _operands(rows=6, n=24, cols=5):
+    torch.manual_seed(1)
+    scales = torch.logspace(-1, 1, n)  # uneven column norms, as in real layers
+    return torch.randn(rows, n) * scales, torch.randn(cols, n)
+
+
+def _draws(method, x, w, k, count):
+    outs = torch.stack([sampled_linear(x, w, None, k=k, method=method) for _ in range(count)])
+    return outs
+
+
+def test_bernoulli_probabilities_sum_to_k_and_redistribute_clamped_mass():
+    scores = torch.tensor([100.0, 50.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.5])
+    p = bernoulli_probabilities(scores, 4)
+    assert p.sum().item() == pytest.approx(4.0, rel=1e-5)
+    assert p.max() <= 1.0 and p[0] == 1.0 and p[1] == 1.0   # clamped, their excess shared out
+    assert p[6] == 0.0                                       # zero pairs contribute nothing: never kept
+    torch.testing.assert_close(p[2:6], torch.full((4,), p[2].item()))
+    assert bernoulli_probabilities(torch.zeros(8), 3).sum().item() == pytest.approx(3.0)
+
+
+def test_crs_probabilities_have_a_uniform_floor():
+    p = crs_probabilities(torch.tensor([1.0, 0.0, 0.0, 3.0]))
+    assert p.sum().item() == pytest.approx(1.0) and p.min().item() == pytest.approx(0.1 / 4)
+    torch.testing.assert_close(crs_probabilities(torch.zeros(5)), torch.full((5,), 0.2))
+
+
+@pytest.mark.parametrize("method", ["crs", "bernoulli"])
+def test_unbiased_and_variance_as_predicted(method):
+    x, w = _operands()
+    exact = x @ w.t()
+    k, count = 8, 4000
+    outs = _draws(method, x, w, k, count)
+    a2 = x.square().sum(0)            # ‖A_i‖²
+    b2 = w.square().sum(0)            # ‖B_i‖²
+    scores = (a2 * b2).sqrt()
+    if method == "crs":
+        p = crs_probabilities(scores)
+        predicted = ((a2 * b2 / p).sum() - exact.square().sum()) / k
+    else:
+        p = bernoulli_probabilities(scores, k)
+        predicted = ((1 - p) / p * a2 * b2).sum()
+    mse = (outs - exact).square().sum((1, 2))
+    # the single-draw error matches the variance formula ...
+    assert mse.mean().item() == pytest.approx(predicted.item(), rel=0.1)
+    # ... and the mean of `count` draws converges to the exact product at rate 1/count
+    mean_error = (outs.mean(0) - exact).square().sum().item()
+    assert mean_error < 4 * predicted.item() / count
+    assert mean_error < 0.05 * exact.square().sum().item()
+
+
+def test_topk_is_biased_but_deterministic():
+    x, w = _operands()
+    first = sampled_linear(x, w, None, k=8, method="topk")
+    assert torch.equal(first, sampled_linear(x, w, None, k=8, method="topk"))
+    assert not torch.allclose(first, x @ w.t())
+
+
+def test_topk_random_share_prevents_starvation():
+    scores = torch.linspace(1, 2, 32)          # the same ranking every step
+    starved = torch.zeros(32, dtype=torch.bool)
+    guarded = torch.zeros(32, dtype=torch.bool)
+    for _ in range(300):
+        starved[select_pairs("topk", scores, 8, 0.0)[0]] = True
+        kept, _ = select_pairs("topk", scores, 8, 0.25)
+        assert kept.numel() == 8 and kept.unique().numel() == 8
+        assert set(range(26, 32)) <= set(kept.tolist())  # the top 8-2 stay
+        guarded[kept] = True
+    assert starved.sum() == 8           # pure top-k never picks the other 24 columns
+    assert guarded.all()                # with a random share every column is eventually picked
+
+
+@pytest.mark.parametrize("method", ["topk", "crs", "bernoulli"])
+def test_every_method_is_exact_at_full_ratio(method):
+    x, w, b = torch.randn(7, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True), torch.randn(4)
+    torch.testing.assert_close(sampled_linear(x, w, b, k=16, method=method), F.linear(x, w, b))
+    xc, wc = torch.randn(2, 8, 5, 5), torch.randn(3, 8, 3, 3)
+    torch.testing.assert_close(sampled_conv2d(xc, wc, None, k=8, padding=1, method=method),
+                               F.conv2d(xc, wc, padding=1))
+    torch.testing.assert_close(backward_sampled_linear(x, w, b, 1.0, method), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("method", ["crs", "bernoulli"])
+def test_unbiased_methods_on_conv(method):
+    torch.manual_seed(2)
+    x, w = torch.randn(2, 12, 6, 6) * torch.logspace(-1, 1, 12).view(1, -1, 1, 1), torch.randn(4, 12, 3, 3)
+    exact = F.conv2d(x, w, padding=1)
+    mean = torch.stack([sampled_conv2d(x, w, None, k=4, padding=1, method=method) for _ in range(3000)]).mean(0)
+    assert (mean - exact).norm() / exact.norm() < 0.05
+
+
+def test_all_zero_columns_with_unbiased_methods():
+    for method in ("crs", "bernoulli"):
+        x = torch.zeros(4, 16, requires_grad=True)
+        w = torch.randn(8, 16, requires_grad=True)
+        out = sampled_linear(x, w, torch.ones(8), k=4, method=method)
+        out.sum().backward()
+        assert torch.equal(out, torch.ones(4, 8)) and torch.isfinite(w.grad).all() and torch.isfinite(x.grad).all()
+
+
+# -- backward sampling ------------------------------------------------------------------------
+
+def test_backward_mode_forward_is_exact_and_grads_match_reference():
+    torch.manual_seed(3)
+    x = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(12, 16, requires_grad=True)
+    b = torch.randn(12, requires_grad=True)
+    out = backward_sampled_linear(x, w, b, 0.5, "topk")
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=0, atol=0)
+    grad_out = torch.randn(10, 12)
+    out.backward(grad_out)
+    # reference: dX over the 6 strongest output features, dW over the 5 strongest rows
+    feature_scores = grad_out.norm(dim=0) * w.detach().norm(dim=1)
+    features = torch.topk(feature_scores, 6).indices
+    rows = torch.topk(x.detach().norm(dim=1) * grad_out.norm(dim=1), 5).indices
+    torch.testing.assert_close(x.grad, grad_out[:, features] @ w.detach()[features])
+    torch.testing.assert_close(w.grad, grad_out[rows].t() @ x.detach()[rows])
+    torch.testing.assert_close(b.grad, grad_out.sum(0))
+
+
+def test_backward_mode_conv_forward_exact_and_unbiased_grads():
+    torch.manual_seed(4)
+    x = torch.randn(6, 8, 7, 7, requires_grad=True)
+    w = torch.randn(10, 8, 3, 3, requires_grad=True)
+    out = backward_sampled_conv2d(x, w, None, 0.5, padding=1, method="bernoulli")
+    torch.testing.assert_close(out, F.conv2d(x, w, padding=1), rtol=0, atol=0)
+    grad_out = torch.randn_like(out)
+    exact_dx, exact_dw = torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), grad_out)
+    dx_sum, dw_sum, draws = torch.zeros_like(x), torch.zeros_like(w), 1500
+    for _ in range(draws):
+        dx, dw = torch.autograd.grad(backward_sampled_conv2d(x, w, None, 0.5, padding=1, method="bernoulli"),
+                                     (x, w), grad_out)
+        dx_sum += dx
+        dw_sum += dw
+    assert ((dx_sum / draws - exact_dx).norm() / exact_dx.norm()).item() < 0.05
+    assert ((dw_sum / draws - exact_dw).norm() / exact_dw.norm()).item() < 0.05
+
+
+def test_backward_mode_keep_ratio_one_and_bad_ratio():
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    dx, dw = torch.autograd.grad(backward_sampled_linear(x, w, None, 1.0).sum(), (x, w))
+    ex, ew = torch.autograd.grad(F.linear(x, w).sum(), (x, w))
+    torch.testing.assert_close(dx, ex, atol=1e-5, rtol=0)
+    torch.testing.assert_close(dw, ew, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="keep_ratio"):
+        backward_sampled_linear(x, w, None, 0.0)
+    assert math.isfinite(backward_sampled_linear(torch.zeros(0, 8), w, None, 0.5).sum().item())
