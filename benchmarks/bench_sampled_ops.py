@@ -52,6 +52,23 @@ def _selection_seconds(approx, inputs, loss_fn, repetitions=5) -> float:
     return interleaved_medians({"select": select_all}, repetitions, warmup=1)["select"]
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mkldnn_convolution", "aten::convolution_backward",
+            "aten::_convolution", "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward")
+
+
+def gemm_share(step) -> float:
+    """Share of a step's CPU time spent in GEMM/convolution kernels (torch.profiler, self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS)
+    return gemm / total if total else 0.0
+
+
 def run_case(name, make_model, inputs, loss_fn, budget, method, repetitions, config=None):
     torch.manual_seed(0)
     exact = make_model()
@@ -64,12 +81,15 @@ def run_case(name, make_model, inputs, loss_fn, budget, method, repetitions, con
     }
     medians = interleaved_medians(steps, repetitions)
     selection = _selection_seconds(approx, inputs, loss_fn)
+    share = gemm_share(steps["exact"])
     plan = approx.plan
     return {
         "case": name, "budget": budget, "method": method,
         "achieved": plan.achieved, "exact_s": medians["exact"], "approx_s": medians["approx"],
         "speedup": medians["exact"] / medians["approx"], "flop_limit": 1.0 / plan.achieved,
         "overhead": selection / medians["approx"],
+        # Amdahl: only GEMM/conv time shrinks, by the planned FLOP fraction
+        "gemm_share": share, "bound": 1.0 / (1.0 - share * (1.0 - plan.achieved)),
     }
 
 
@@ -106,9 +126,10 @@ def main():
                 rows.append([result["case"], f"{budget:g}", method, f"{result['achieved']:.3f}",
                              f"{result['exact_s'] * 1e3:.1f}", f"{result['approx_s'] * 1e3:.1f}",
                              f"**{result['speedup']:.2f}x**", f"{result['flop_limit']:.2f}x",
+                             f"{result['gemm_share']:.0%}", f"{result['bound']:.2f}x",
                              f"{result['overhead']:.1%}"])
     headers = ["case", "budget", "method", "planned FLOPs", "exact ms", "approx ms", "speedup", "FLOP limit",
-               "norms+selection share"]
+               "GEMM/conv share of exact step", "Amdahl bound", "norms+selection share"]
     print_table("train step (fwd + bwd + SGD), medians of interleaved repetitions", headers, rows)
     if not args.quick:
         write_section("sampled_ops", "\n\n".join([
@@ -116,7 +137,9 @@ def main():
             f"`python benchmarks/bench_sampled_ops.py --repetitions {args.repetitions}` on {machine_line()}. "
             "Train step = forward + backward + SGD step; single layers take an input that requires grad "
             "(all three GEMMs run). Medians of interleaved repetitions after warm-up; 'FLOP limit' is "
-            "1 / planned FLOP fraction.",
+            "1 / planned FLOP fraction; 'Amdahl bound' = 1 / (1 − s·(1 − f)) with s the GEMM/conv share of "
+            "the exact step (torch.profiler self time) and f the planned FLOP fraction: the best a FLOP cut "
+            "can do when everything else (BatchNorm, ReLU, loss, SGD) costs what it costs.",
             markdown_table(headers, rows)]))
 
 

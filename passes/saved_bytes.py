@@ -35,16 +35,22 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
 
     def measure(self, node, run, grad_inputs) -> None:
         packed: dict[tuple, int] = {}
+        state_storages = self._state_storages
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
+        def pack(tensor: torch.Tensor) -> int:
             storage = _storage_key(tensor)
-            if storage not in self._state_storages:
+            if storage not in state_storages:
                 key = (storage, tensor.storage_offset() if storage is not None else id(tensor),
                        tuple(tensor.shape), tensor.dtype)
                 packed[key] = tensor.numel() * tensor.element_size()
-            return tensor
+            # Keep only a size, never the tensor: a packed output that refers back to
+            # its own grad_fn makes a C++ reference cycle that the gc cannot free.
+            return 0
 
-        with saved_tensors_hooks(pack, lambda tensor: tensor):
+        def unpack(_: int) -> torch.Tensor:
+            raise RuntimeError("the saved-bytes pass never runs backward")
+
+        with saved_tensors_hooks(pack, unpack):
             run()
         meta = fx_meta(node)
         meta["saved_bytes"] = int(sum(packed.values()))
