@@ -27,6 +27,14 @@ def check_fraction(name: str, value: object, *, allow_zero: bool = False,
     return result
 
 
+def check_share(name: str, value: object) -> float:
+    """Return ``value`` as a float in [0, 1) (a share of something that must keep a remainder)."""
+    result = check_fraction(name, value, allow_zero=True)
+    if result >= 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {result!r}")
+    return result
+
+
 def check_int(name: str, value: object, *, minimum: int) -> int:
     """Return ``value`` as an int ≥ ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -26,6 +26,7 @@ from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.saved_bytes import measure_saved_bytes
 from fxapprox.passes.shape_prop import propagate_shapes
 from fxapprox.passes.trace import trace
+from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
 
@@ -191,7 +192,7 @@ def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, m
         raise TypeError(f"model must be an nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
     inputs = None if example_inputs is None else _as_tuple(example_inputs)
 
-    traced = trace(model, config.leaf_modules)
+    traced = follow_training_mode(trace(model, config.leaf_modules))
     model_name = type(model).__name__ if not isinstance(model, torch.fx.GraphModule) else \
         getattr(model, "_fxapprox_model_name", type(model).__name__)
     approx = ApproxGraphModule(traced, traced.graph, class_name=model_name)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fxapprox._validate import check_choice, check_fraction, check_int
+from fxapprox._validate import check_choice, check_fraction, check_int, check_share
 from fxapprox.modules import MODES
 from fxapprox.ops.sampling import METHODS
 
@@ -133,9 +133,7 @@ class ApproxConfig:
         check_int("min_channels", self.min_channels, minimum=1)
         check_int("min_k", self.min_k, minimum=1)
         check_choice("mode", self.mode, MODES)
-        check_fraction("random_share", self.random_share, allow_zero=True)
-        if self.random_share >= 1.0:
-            raise ValueError(f"random_share must be in [0, 1), got {self.random_share!r}")
+        check_share("random_share", self.random_share)
         check_choice("policy", self.policy, POLICIES)
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress must be a bool, got {self.progress!r}")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxapprox._validate import check_choice, check_fraction, check_int
+from fxapprox._validate import check_choice, check_int, check_share
 from fxapprox.ops.conv import backward_sampled_conv2d, pair_scores_conv2d, sampled_conv2d
 from fxapprox.ops.linear import backward_sampled_linear, pair_scores_linear, sampled_linear
 from fxapprox.ops.sampling import METHODS
@@ -46,9 +46,7 @@ class SamplingSpec:
         check_int("k", self.k, minimum=1)
         if self.k > self.n:
             raise ValueError(f"k must be in [1, n={self.n}], got {self.k}")
-        check_fraction("random_share", self.random_share, allow_zero=True)
-        if self.random_share >= 1.0:
-            raise ValueError(f"random_share must be in [0, 1), got {self.random_share}")
+        check_share("random_share", self.random_share)
 
     @property
     def keep_ratio(self) -> float:

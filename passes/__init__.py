@@ -2,7 +2,8 @@
 
 The pipeline, one file per stage, results in ``node.meta["fxapprox"]``:
 
-1. ``trace`` — capture the model (``ApproxTracer``; recurrent modules stay leaves)
+1. ``trace`` — capture the model (``ApproxTracer``; recurrent modules stay leaves), then
+   ``training_flags`` — traced ``training=self.training`` arguments follow ``train()``/``eval()`` again
 2. analysis — ``shape_prop``, ``flops``, ``saved_bytes``, ``channels`` (+ ``graph_view``)
 3. ``rank`` — order sampleable layers, widest and most expensive first
 4. ``budget_policy`` — the explicit :class:`fxapprox.plan.Plan`
@@ -18,8 +19,9 @@ from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.saved_bytes import measure_saved_bytes
 from fxapprox.passes.shape_prop import propagate_shapes
 from fxapprox.passes.trace import ApproxTracer, trace
+from fxapprox.passes.training_flags import follow_training_mode
 
 __all__ = [
-    "ApproxTracer", "annotate_channels", "count_flops", "measure_saved_bytes", "plan_budget",
+    "ApproxTracer", "annotate_channels", "count_flops", "follow_training_mode", "measure_saved_bytes", "plan_budget",
     "propagate_shapes", "rank_layers", "rewrite_sampled_ops", "to_networkx", "trace",
 ]

@@ -32,6 +32,7 @@ from collections import Counter
 import torch.fx
 
 from fxapprox.config import ApproxConfig
+from fxapprox.modules import resolve_conv_padding
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.passes._meta import fx_meta, train_flops
 from fxapprox.passes.graph_view import target_name
@@ -93,15 +94,6 @@ def _k_at(ratio: float, n: int) -> int:
     return max(1, min(n, math.floor(ratio * n + _TOLERANCE)))
 
 
-def _conv_padding_blocker(gm, node) -> str | None:
-    from fxapprox.modules import resolve_conv_padding
-
-    module = _module(gm, node)
-    if module is not None and resolve_conv_padding(module) is None:
-        return "asymmetric 'same' padding (even kernel): not sampled"
-    return None
-
-
 def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
                 config: ApproxConfig | None = None) -> Plan:
     """Make the plan for ``gm`` (analysed and ranked) under ``budget``.
@@ -132,8 +124,8 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
     for node in layers:
         meta = fx_meta(node)
         blocker = _blocker(node, meta, config, calls)
-        if blocker is None and meta.get("op_kind") == "conv2d":
-            blocker = _conv_padding_blocker(gm, node)
+        if blocker is None and meta.get("op_kind") == "conv2d" and resolve_conv_padding(_module(gm, node)) is None:
+            blocker = "asymmetric 'same' padding (even kernel): not sampled"
         override = config.override_for(_names(node), _module(gm, node))
         if blocker is None and override is not None and override.exclude:
             blocker = f"excluded by override {override.describe()}"
@@ -204,7 +196,8 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
             ratio = 1.0 - (needed - before) / sampled_flops(last)
             chosen_k[last] = max(chosen_k[last], _k_at(ratio, n))
             saved = before + saving(last, chosen_k[last])
-            reasons[last] = f"rank {fx_meta(last)['rank']}: keep-ratio raised to cut no more than the budget needs"
+            reasons[last] = (f"rank {fx_meta(last)['rank']}: keep-ratio raised to cut no more than the budget needs"
+                             if chosen_k[last] < n else "not needed: higher-ranked layers already meet the budget")
         elif walked and saved < needed - _TOLERANCE:
             # Phase 4: one common, lower ratio for every walked layer.
             fixed = sum(saving(n, chosen_k[n]) for n in pinned if n in chosen_k)

@@ -67,7 +67,7 @@ SKIPPED: dict[str, str] = {}
 EXPECTED_EXACT: dict[str, str] = {}
 
 # Always run (small, cover CNN / depthwise / channel shuffle / SE / transformer).
-FAST = ("resnet18", "mobilenet_v3_small", "squeezenet1_0", "shufflenet_v2_x0_5", "vit_b_16")
+FAST = ("resnet18", "mobilenet_v3_small", "squeezenet1_0", "shufflenet_v2_x0_5", "efficientnet_b0", "vit_b_16")
 
 MODELS = tuple(torchvision.models.list_models(module=torchvision.models))
 

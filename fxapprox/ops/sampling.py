@@ -14,10 +14,11 @@ No selector synchronises with the host except through the size of its output
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
+
+from fxapprox._validate import check_share
 
 Selector = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
 
@@ -121,6 +122,4 @@ def select_pairs(method: str, scores: torch.Tensor, k: int,
     except KeyError:
         allowed = ", ".join(repr(m) for m in sorted(METHODS))
         raise ValueError(f"method must be one of {allowed}, got {method!r}") from None
-    if not 0.0 <= random_share < 1.0 or math.isnan(random_share):
-        raise ValueError(f"random_share must be in [0, 1), got {random_share!r}")
-    return selector(scores, k, random_share)
+    return selector(scores, k, check_share("random_share", random_share))
