@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import torch
 import torch.fx
@@ -20,15 +21,19 @@ from fxapprox.modules import APPROX_MODULE_TYPES
 from fxapprox.ops.sampling import METHODS
 from fxapprox.passes.budget_policy import plan_budget
 from fxapprox.passes.channels import annotate_channels
+from fxapprox.passes.compact_pooling import compact_max_pools
 from fxapprox.passes.flops import count_flops
+from fxapprox.passes.memory_policy import plan_memory
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.rewrite import rewrite_sampled_ops
+from fxapprox.passes.rewrite_saved import rewrite_saved_activations
 from fxapprox.passes.saved_bytes import measure_saved_bytes
 from fxapprox.passes.shape_prop import propagate_shapes
 from fxapprox.passes.trace import trace
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
+from fxapprox.saved_activations import SavedActivationStats, SavingOptions, compressing_saved_tensors
 
 
 @contextlib.contextmanager
@@ -71,9 +76,11 @@ class ApproxGraphModule(torch.fx.GraphModule):
     has the original keys.
     """
 
-    def _fxapprox_setup(self, *, budget: float, method: str, config: ApproxConfig, model_name: str) -> None:
-        self._fxapprox_state = {"budget": budget, "method": method, "config": config, "model_name": model_name,
-                                "plan": None, "report": None, "enabled": True}
+    def _fxapprox_setup(self, *, budget: float, memory_budget: float | None, method: str, config: ApproxConfig,
+                        model_name: str) -> None:
+        self._fxapprox_state = {"budget": budget, "memory_budget": memory_budget, "method": method,
+                                "config": config, "model_name": model_name, "plan": None, "report": None,
+                                "enabled": True, "saving": None, "saved_stats": None}
 
     # -- planning ---------------------------------------------------------
     def _positional_inputs(self, args: tuple, kwargs: dict) -> tuple:
@@ -99,15 +106,32 @@ class ApproxGraphModule(torch.fx.GraphModule):
         rank_layers(self)
         plan = plan_budget(self, state["budget"], state["method"], config)
         rewrite_sampled_ops(self, plan)
+        memory_budget = state["memory_budget"]
+        if config.activation_bits is not None or (memory_budget is not None and memory_budget < 1.0):
+            compact_max_pools(self)
+            # Sampled layers save gathered copies and max pools byte offsets now: measure the rewritten graph.
+            with _measurement_sandbox(self):
+                measure_saved_bytes(self, *inputs, progress=config.progress)
+            memory_plan = plan_memory(self, memory_budget, config)
+            rewrite_saved_activations(self, memory_plan)
+            plan = dataclasses.replace(plan, memory=memory_plan)
+            state["saving"] = SavingOptions(config.activation_group_size, config.activation_rounding,
+                                            config.activation_compile)
         state["plan"] = plan
         state["report"] = Report(plan, state["model_name"], _shapes(inputs))
         self.set_approximate(state["enabled"])
         return plan
 
     def __call__(self, *args, **kwargs):
-        if self._fxapprox_state["plan"] is None:
+        state = self._fxapprox_state
+        if state["plan"] is None:
             self.plan_from(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
+        if state["saving"] is None or not (state["enabled"] and self.training and torch.is_grad_enabled()):
+            return super().__call__(*args, **kwargs)
+        with compressing_saved_tensors(state["saving"], self) as compressor:
+            output = super().__call__(*args, **kwargs)
+        state["saved_stats"] = compressor.stats()
+        return output
 
     # -- public surface ---------------------------------------------------
     @property
@@ -125,6 +149,17 @@ class ApproxGraphModule(torch.fx.GraphModule):
         """The rewrite :class:`~fxapprox.report.Report` (available once planned)."""
         self.plan  # noqa: B018 — raises the explanatory error when not planned yet
         return self._fxapprox_state["report"]
+
+    @property
+    def saved_activation_stats(self) -> SavedActivationStats | None:
+        """What the last compressing training forward kept for backward (``None`` before one ran).
+
+        Example::
+
+            >>> approx(x).sum().backward()
+            >>> approx.saved_activation_stats.ratio     # e.g. 7.6 (times fewer bytes) at 4 bits
+        """
+        return self._fxapprox_state["saved_stats"]
 
     @property
     def planned(self) -> bool:
@@ -179,10 +214,6 @@ def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, m
     """
     budget = check_fraction("budget", budget)
     memory_budget = check_fraction("memory_budget", memory_budget, allow_none=True)
-    if memory_budget is not None and memory_budget < 1.0:
-        raise NotImplementedError(
-            "memory_budget < 1 (compressed saved activations) is not implemented in this version; "
-            "pass memory_budget=None")
     check_choice("method", method, METHODS)
     if config is None:
         config = ApproxConfig()
@@ -197,7 +228,8 @@ def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, m
         getattr(model, "_fxapprox_model_name", type(model).__name__)
     approx = ApproxGraphModule(traced, traced.graph, class_name=model_name)
     approx.training = model.training
-    approx._fxapprox_setup(budget=budget, method=method, config=config, model_name=model_name)
+    approx._fxapprox_setup(budget=budget, memory_budget=memory_budget, method=method, config=config,
+                           model_name=model_name)
     if inputs is not None:
         approx.plan_from(*inputs)
     return approx

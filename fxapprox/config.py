@@ -14,10 +14,13 @@ from torch import nn
 
 from fxapprox._validate import check_choice, check_fraction, check_int, check_share
 from fxapprox.modules import MODES
+from fxapprox.ops.quantize import ROUNDINGS
 from fxapprox.ops.sampling import METHODS
 
 #: how the plan is made: spend the FLOP budget ("budget") or every eligible layer at keep_ratio ("uniform")
 POLICIES = ("budget", "uniform")
+#: widths ``activation_bits`` accepts (32: through the hooks, uncompressed)
+ACTIVATION_BITS = (2, 4, 8, 32)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,19 @@ class ApproxConfig:
       "layers with ≥ N channels at ratio r"); see :meth:`paper_recipe`.
     - ``progress``: show a progress bar while the analysis passes run.
 
+    Saved activations (used when ``memory_budget < 1`` or ``activation_bits`` is set):
+
+    - ``activation_bits``: store every eligible saved value at this many bits
+      (2, 4 or 8; 32 routes them through the hooks uncompressed) instead of
+      letting ``memory_budget`` choose.
+    - ``activation_group_size``: elements per quantisation group (one bf16 offset
+      and step each); a multiple of 8.
+    - ``activation_rounding``: ``"stochastic"`` (unbiased, default) or ``"nearest"``.
+    - ``activation_min_bytes``: saved values smaller than this stay as they are.
+    - ``activation_compile``: pack and unpack with ``torch.compile``d kernels (the
+      first training step compiles them, ~1 min on a laptop CPU); ``False`` runs
+      the same code eagerly.
+
     Example::
 
         >>> cfg = ApproxConfig(overrides=(LayerOverride("fc", exclude=True),), min_channels=64)
@@ -112,6 +128,11 @@ class ApproxConfig:
     random_share: float = 0.05
     policy: str = "budget"
     progress: bool = False
+    activation_bits: int | None = None
+    activation_group_size: int = 256
+    activation_rounding: str = "stochastic"
+    activation_min_bytes: int = 65536
+    activation_compile: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)):
@@ -137,6 +158,18 @@ class ApproxConfig:
         check_choice("policy", self.policy, POLICIES)
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress must be a bool, got {self.progress!r}")
+        if self.activation_bits is not None:
+            check_int("activation_bits", self.activation_bits, minimum=1)
+            if self.activation_bits not in ACTIVATION_BITS:
+                raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS} or None, "
+                                 f"got {self.activation_bits!r}")
+        check_int("activation_group_size", self.activation_group_size, minimum=8)
+        if self.activation_group_size % 8:
+            raise ValueError(f"activation_group_size must be a multiple of 8, got {self.activation_group_size!r}")
+        check_choice("activation_rounding", self.activation_rounding, ROUNDINGS)
+        check_int("activation_min_bytes", self.activation_min_bytes, minimum=0)
+        if not isinstance(self.activation_compile, bool):
+            raise TypeError(f"activation_compile must be a bool, got {self.activation_compile!r}")
 
     @classmethod
     def paper_recipe(cls, keep_ratio: float = 0.5, min_channels: int = 64, **kwargs) -> "ApproxConfig":
@@ -175,4 +208,9 @@ class ApproxConfig:
             "mode": self.mode,
             "random_share": self.random_share,
             "policy": self.policy,
+            "activation_bits": self.activation_bits,
+            "activation_group_size": self.activation_group_size,
+            "activation_rounding": self.activation_rounding,
+            "activation_min_bytes": self.activation_min_bytes,
+            "activation_compile": self.activation_compile,
         }

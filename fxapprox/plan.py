@@ -44,6 +44,65 @@ class LayerDecision:
 
 
 @dataclass(frozen=True)
+class SavedValueDecision:
+    """How one graph value that autograd saves for backward is stored.
+
+    ``bits`` is 32/16 (the dtype's own width: kept as is), 8, 4 or 2 (quantised
+    copy), or 1 (sign mask, when every saver only needs ``value > 0``).
+    """
+
+    node: str
+    shape: list | None
+    dtype: str
+    exact_bytes: int
+    planned_bytes: int
+    bits: int
+    reason: str
+    savers: list = field(default_factory=list)
+    aliases: list = field(default_factory=list)
+    sign_exact: bool = False
+    compressed: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan for saved activations: totals count every distinct saved tensor once."""
+
+    memory_budget: float | None
+    total_exact_bytes: int
+    total_planned_bytes: int
+    internal_bytes: int
+    budget_met: bool
+    note: str
+    values: tuple[SavedValueDecision, ...] = field(default_factory=tuple)
+
+    @property
+    def achieved(self) -> float:
+        """Planned saved bytes as a fraction of the exact model's."""
+        return self.total_planned_bytes / self.total_exact_bytes if self.total_exact_bytes else 1.0
+
+    @property
+    def compressed(self) -> tuple[SavedValueDecision, ...]:
+        return tuple(v for v in self.values if v.compressed)
+
+    def to_dict(self) -> dict:
+        return {"memory_budget": self.memory_budget, "total_exact_bytes": self.total_exact_bytes,
+                "total_planned_bytes": self.total_planned_bytes, "internal_bytes": self.internal_bytes,
+                "achieved": self.achieved, "budget_met": self.budget_met, "note": self.note,
+                "values": [v.to_dict() for v in self.values]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MemoryPlan":
+        values = tuple(SavedValueDecision(**v) for v in data["values"])
+        fields = {k: data[k] for k in ("memory_budget", "total_exact_bytes", "total_planned_bytes",
+                                       "internal_bytes", "budget_met", "note")}
+        return cls(values=values, **fields)
+
+
+@dataclass(frozen=True)
 class Plan:
     """The whole plan and its totals (training FLOPs are forward + backward)."""
 
@@ -55,6 +114,7 @@ class Plan:
     note: str
     layers: tuple[LayerDecision, ...] = field(default_factory=tuple)
     config: dict = field(default_factory=dict)
+    memory: MemoryPlan | None = None
 
     @property
     def achieved(self) -> float:
@@ -82,6 +142,7 @@ class Plan:
             "note": self.note,
             "config": self.config,
             "layers": [d.to_dict() for d in self.layers],
+            "memory": None if self.memory is None else self.memory.to_dict(),
         }
 
     @classmethod
@@ -91,4 +152,5 @@ class Plan:
         )
         fields = {k: data[k] for k in ("budget", "method", "total_exact_flops", "total_planned_flops",
                                        "budget_met", "note", "config")}
-        return cls(layers=layers, **fields)
+        memory = data.get("memory")
+        return cls(layers=layers, memory=None if memory is None else MemoryPlan.from_dict(memory), **fields)

@@ -73,6 +73,30 @@ class Report:
                 _flops(d.planned_flops), _bytes(d.saved_bytes), d.reason, style=style)
         return table
 
+    def _memory_table(self, plain: bool) -> Table | None:
+        memory = self.plan.memory
+        if memory is None:
+            return None
+        table = Table(title="saved activations (what autograd keeps for backward)",
+                      box=box.ASCII if plain else box.SIMPLE_HEAVY, caption=memory.note, caption_justify="left")
+        for name, justify in (("value", "left"), ("shape", "left"), ("dtype", "left"), ("saved by", "left"),
+                              ("exact MiB", "right"), ("bits", "right"), ("planned MiB", "right"),
+                              ("why", "left")):
+            table.add_column(name, justify=justify, overflow="fold")
+        for v in memory.values:
+            style = None if plain else ("green" if v.compressed else "dim")
+            bits = f"{v.bits}{' (sign-exact)' if v.sign_exact else ''}"
+            table.add_row(v.node, "x".join(map(str, v.shape)) if v.shape else "-", v.dtype, ", ".join(v.savers),
+                          f"{v.exact_bytes / 2**20:.2f}", bits, f"{v.planned_bytes / 2**20:.2f}", v.reason,
+                          style=style)
+        table.add_row("(temporaries)", "-", "-", "batch stats, gathered weights of sampled layers, masks",
+                      f"{memory.internal_bytes / 2**20:.2f}", "-", "-", "kept (boolean ones bit-packed)",
+                      style=None if plain else "dim")
+        table.add_row("total", "", "", "", f"{memory.total_exact_bytes / 2**20:.2f}", "",
+                      f"{memory.total_planned_bytes / 2**20:.2f}",
+                      f"{memory.achieved:.3f} of exact ({'met' if memory.budget_met else 'NOT met'})")
+        return table
+
     def _caption(self) -> str:
         plan = self.plan
         return (f"training FLOPs (fwd+bwd) exact {_flops(plan.total_exact_flops)}, planned "
@@ -84,11 +108,17 @@ class Report:
         buffer = io.StringIO()
         console = Console(file=buffer, width=400, color_system=None, force_terminal=False, highlight=False)
         console.print(self._table(plain=True))
+        memory = self._memory_table(plain=True)
+        if memory is not None:
+            console.print(memory)
         return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
 
     def __repr__(self) -> str:
+        memory = self.plan.memory
+        saved = "" if memory is None else f", saved_activations={memory.achieved:.3f}"
         return (f"Report(model={self.model_name!r}, budget={self.plan.budget:g}, "
-                f"achieved={self.plan.achieved:.3f}, sampled={len(self.plan.approximated)}/{len(self.plan.layers)})")
+                f"achieved={self.plan.achieved:.3f}, sampled={len(self.plan.approximated)}/{len(self.plan.layers)}"
+                f"{saved})")
 
     def show(self, console: Console | None = None) -> None:
         """Print the report as a rich table."""
@@ -97,3 +127,6 @@ class Report:
             if not console.is_terminal:  # piped: do not fold the table into 80 columns
                 console = Console(width=240)
         console.print(self._table(plain=False))
+        memory = self._memory_table(plain=False)
+        if memory is not None:
+            console.print(memory)

@@ -85,6 +85,7 @@ class NodeIsolationInterpreter(torch.fx.Interpreter):
             if n.op == "call_module":
                 module = self.module.get_submodule(n.target)
                 grad_leaves.extend(p for p in module.parameters() if p.requires_grad)
+            self.isolated_inputs = (iso_args, iso_kwargs)
             with self._set_current_node(n):
                 self.measure(n, lambda: getattr(self, n.op)(n.target, iso_args, iso_kwargs), grad_leaves)
         result = super().run_node(n)

@@ -1,10 +1,22 @@
-"""Pass 2c — saved activations: bytes each node makes autograd keep for backward.
+"""Pass 2c — saved activations: bytes each node makes autograd keep for backward, and from where.
 
 Runs each node in isolation under ``torch.autograd.graph.saved_tensors_hooks``
 and adds up the distinct tensors packed, leaving out parameters and buffers
-(they are stored anyway). Writes ``saved_bytes`` and ``saved_tensors`` into
-``node.meta["fxapprox"]``. A tensor that feeds several nodes is counted at
-each of them (the per-node view the policy needs).
+(they are stored anyway). Writes into ``node.meta["fxapprox"]``:
+
+* ``saved_bytes`` / ``saved_tensors`` — the node's own total (a tensor that
+  feeds several nodes is counted at each of them: the per-layer view);
+* ``saved_from`` — ``{value node name: bytes}``: which graph values the saved
+  tensors are (an input of the node, or its own output, as ReLU saves its
+  result); a copy a sampled op derives from an input (the gathered columns,
+  reported through ``fxapprox.ops._derived.note_derived``) is listed under
+  ``saved_derived`` for that input instead;
+* ``saved_internal_bytes`` — temporaries that are no graph value (BatchNorm's
+  batch statistics, dropout masks; ``saved_internal_bool_bytes`` of them are
+  boolean);
+* ``alias_of`` / ``inplace`` — the input whose storage the node's output shares
+  (a view or an in-place op), which the memory policy needs to see one tensor
+  behind several graph values.
 """
 
 from __future__ import annotations
@@ -12,7 +24,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten
 
+from fxapprox.ops._derived import record_derivations
 from fxapprox.passes._isolation import NodeIsolationInterpreter
 from fxapprox.passes._meta import fx_meta
 
@@ -33,8 +47,21 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
             _storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())
         } - {None}
 
+    def _input_storages(self, node: torch.fx.Node) -> dict[int, tuple[str, int]]:
+        """Storage of each isolated tensor input → (the graph node it is, its version before running)."""
+        arg_leaves = tree_flatten((node.args, node.kwargs))[0]
+        value_leaves = tree_flatten(self.isolated_inputs)[0]
+        storages = {}
+        for arg, value in zip(arg_leaves, value_leaves):
+            if isinstance(arg, torch.fx.Node) and isinstance(value, torch.Tensor):
+                storage = _storage_key(value)
+                if storage is not None and storage not in self._state_storages:
+                    storages.setdefault(storage, (arg.name, value._version, value))
+        return storages
+
     def measure(self, node, run, grad_inputs) -> None:
-        packed: dict[tuple, int] = {}
+        packed: dict[tuple, tuple[int | None, int, torch.dtype]] = {}
+        derived: dict[int, int] = {}
         state_storages = self._state_storages
 
         def pack(tensor: torch.Tensor) -> int:
@@ -42,7 +69,7 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
             if storage not in state_storages:
                 key = (storage, tensor.storage_offset() if storage is not None else id(tensor),
                        tuple(tensor.shape), tensor.dtype)
-                packed[key] = tensor.numel() * tensor.element_size()
+                packed[key] = (storage, tensor.numel() * tensor.element_size(), tensor.dtype)
             # Keep only a size, never the tensor: a packed output that refers back to
             # its own grad_fn makes a C++ reference cycle that the gc cannot free.
             return 0
@@ -50,15 +77,58 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
         def unpack(_: int) -> torch.Tensor:
             raise RuntimeError("the saved-bytes pass never runs backward")
 
-        with saved_tensors_hooks(pack, unpack):
-            run()
+        def on_derived(copy: torch.Tensor, source: torch.Tensor) -> None:
+            copy_storage, source_storage = _storage_key(copy), _storage_key(source)
+            if copy_storage is not None and source_storage is not None:
+                derived[copy_storage] = source_storage
+
+        inputs = self._input_storages(node)
+        outputs: list[torch.Tensor] = []
+
+        def run_and_keep():
+            result = run()
+            outputs.extend(t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor))
+            return result
+
+        with saved_tensors_hooks(pack, unpack), record_derivations(on_derived):
+            run_and_keep()
+        output_storages = {_storage_key(t) for t in outputs} - {None}
+
+        saved_from: dict[str, int] = {}
+        saved_derived: dict[str, int] = {}
+        internal = internal_bool = 0
+        for storage, size, dtype in packed.values():
+            if storage in inputs:
+                source = inputs[storage][0]
+                saved_from[source] = max(saved_from.get(source, 0), size)
+            elif storage in derived and derived[storage] in inputs:
+                source = inputs[derived[storage]][0]
+                saved_derived[source] = saved_derived.get(source, 0) + size
+            elif storage in output_storages:
+                saved_from[node.name] = max(saved_from.get(node.name, 0), size)
+            else:
+                internal += size
+                if dtype == torch.bool:
+                    internal_bool += size
+        alias_of, inplace = None, False
+        for output in outputs[:1]:
+            storage = _storage_key(output)
+            if storage in inputs:
+                alias_of = inputs[storage][0]
+                inplace = inputs[storage][2]._version != inputs[storage][1]
         meta = fx_meta(node)
-        meta["saved_bytes"] = int(sum(packed.values()))
+        meta["saved_bytes"] = int(sum(size for _, size, _ in packed.values()))
         meta["saved_tensors"] = len(packed)
+        meta["saved_from"] = saved_from
+        meta["saved_derived"] = saved_derived
+        meta["saved_internal_bytes"] = internal
+        meta["saved_internal_bool_bytes"] = internal_bool
+        meta["alias_of"] = alias_of
+        meta["inplace"] = inplace
 
 
 def measure_saved_bytes(gm: torch.fx.GraphModule, *example_inputs, progress: bool = False) -> torch.fx.GraphModule:
-    """Annotate every node with the bytes of activations it saves for backward.
+    """Annotate every node with the bytes of activations it saves for backward, and their sources.
 
     Example::
 
@@ -67,7 +137,7 @@ def measure_saved_bytes(gm: torch.fx.GraphModule, *example_inputs, progress: boo
     """
     for node in gm.graph.nodes:
         meta = fx_meta(node)
-        meta["saved_bytes"] = 0
-        meta["saved_tensors"] = 0
+        meta.update(saved_bytes=0, saved_tensors=0, saved_from={}, saved_derived={}, saved_internal_bytes=0,
+                    saved_internal_bool_bytes=0, alias_of=None, inplace=False)
     SavedBytesInterpreter(gm, progress=progress).run(*example_inputs)
     return gm

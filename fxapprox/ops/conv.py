@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxapprox.ops._derived import note_derived
 from fxapprox.ops.linear import _keep_count, _nonempty, _scaled, pair_scores, squared_norms
 from fxapprox.ops.sampling import select_pairs
 
@@ -33,6 +34,7 @@ class _SampledConv2dFunction(torch.autograd.Function):
         x_kept = _scaled(x.index_select(1, kept), scale, 1)
         w_kept = weight.index_select(1, kept)
         out = F.conv2d(x_kept, w_kept, bias, stride, padding, dilation, 1)
+        note_derived(x_kept, x)
         ctx.save_for_backward(x_kept, w_kept, kept, scale)
         ctx.conv_args = (stride, padding, dilation)
         ctx.in_channels = x.shape[1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from fxapprox.ops._derived import note_derived
 from fxapprox.ops.sampling import select_pairs
 
 
@@ -42,6 +43,7 @@ class _SampledLinearFunction(torch.autograd.Function):
         x_kept = _scaled(x2d.index_select(1, kept), scale, 1)
         w_kept = weight.index_select(1, kept)
         out = x_kept @ w_kept.t() if bias is None else torch.addmm(bias, x_kept, w_kept.t())
+        note_derived(x_kept, x2d)
         ctx.save_for_backward(x_kept, w_kept, kept, scale)
         ctx.in_features = x2d.shape[1]
         ctx.has_bias = bias is not None

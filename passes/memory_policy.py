@@ -1,0 +1,198 @@
+"""Pass 4b — memory policy: turn ``memory_budget`` into bits for every saved graph value.
+
+``memory_budget`` is the fraction of the exact model's saved-activation bytes
+(every distinct tensor autograd keeps for backward, parameters left out) the
+approximated model may keep. The unit the policy decides on is a *graph value*
+— one tensor, however many nodes save it and however many views or in-place
+ops (``relu_``) alias it — so a tensor is never kept both exact and compressed.
+
+1. Values that cannot be compressed stay as they are, with the reason: not
+   floating point, or smaller than ``activation_min_bytes``. Temporaries that are
+   no graph value (batch statistics) stay; boolean ones (dropout masks) are
+   bit-packed losslessly.
+2. A value every saver of which only asks ``value > 0`` (a ReLU saving its own
+   result, nothing else) becomes a 1-bit mask: lossless, so it goes first.
+3. Then, until the planned total fits the budget, the policy lowers the value
+   with the most bits left (largest first) by one step: exact → 8 → 4 → 2.
+   This keeps the widths as even as possible: at ``memory_budget=0.25`` most
+   values of an fp32 model end at 8 bits; at 0.125 at 4 bits, with the largest
+   few at 2 bits because the per-group scale and offset cost 1/8 bit.
+4. If every value at 2 bits still does not fit, the plan says what it reached.
+
+``ApproxConfig(activation_bits=b)`` instead stores every eligible value at ``b``
+bits (the budget is then only reported against), like the compute policy's
+``policy="uniform"``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxapprox.config import ApproxConfig
+from fxapprox.ops.quantize import quantized_nbytes
+from fxapprox.plan import MemoryPlan, SavedValueDecision
+from fxapprox.passes._meta import fx_meta
+
+_STEPS = (8, 4, 2)
+_RELU_FUNCTIONS = {torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_}
+
+
+def is_relu(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a ReLU (whose backward needs only ``result > 0``)."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), nn.ReLU)
+    if node.op == "call_function":
+        return node.target in _RELU_FUNCTIONS
+    return node.op == "call_method" and node.target in ("relu", "relu_")
+
+
+def _dtype_bits(dtype) -> int:
+    return torch.finfo(dtype).bits if dtype is not None and dtype.is_floating_point else 32
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.1f} MiB"
+
+
+class _Value:
+    """A tensor behind one or more graph values (a root and its aliases)."""
+
+    def __init__(self, root: torch.fx.Node) -> None:
+        self.root = root
+        self.members: list[torch.fx.Node] = [root]
+        self.direct = 0          # bytes of the tensor itself, if saved
+        self.derived = 0         # bytes of copies sampled ops make of it and save
+        self.savers: set[str] = set()
+        self.sign_only = True
+        tensor_meta = root.meta.get("tensor_meta")
+        self.dtype = getattr(tensor_meta, "dtype", None)
+        self.shape = list(tensor_meta.shape) if hasattr(tensor_meta, "shape") else None
+
+    @property
+    def exact_bytes(self) -> int:
+        return self.direct + self.derived
+
+    def bytes_at(self, bits: int) -> int:
+        dtype_bits = _dtype_bits(self.dtype)
+        if bits >= dtype_bits:
+            return self.exact_bytes
+        element = dtype_bits // 8
+        total = 0
+        for part in (self.direct, self.derived):
+            if part:
+                total += quantized_nbytes(part // element, bits)
+        return total
+
+
+def _values(gm: torch.fx.GraphModule) -> tuple[dict[str, _Value], int, int]:
+    root_of: dict[str, str] = {}
+    values: dict[str, _Value] = {}
+    for node in gm.graph.nodes:
+        alias = fx_meta(node).get("alias_of")
+        if alias is not None and alias in root_of:
+            root_of[node.name] = root_of[alias]
+            values[root_of[alias]].members.append(node)
+        else:
+            root_of[node.name] = node.name
+            values[node.name] = _Value(node)
+    internal = internal_bool = 0
+    for node in gm.graph.nodes:
+        meta = fx_meta(node)
+        for source, size in meta.get("saved_from", {}).items():
+            value = values[root_of[source]]
+            value.direct = max(value.direct, size)
+            value.savers.add(node.name)
+            if not (is_relu(gm, node) and root_of[node.name] == value.root.name):
+                value.sign_only = False
+        for source, size in meta.get("saved_derived", {}).items():
+            value = values[root_of[source]]
+            value.derived += size
+            value.savers.add(node.name)
+            value.sign_only = False
+        internal += meta.get("saved_internal_bytes", 0)
+        internal_bool += meta.get("saved_internal_bool_bytes", 0)
+    return {name: v for name, v in values.items() if v.exact_bytes}, internal, internal_bool
+
+
+def _sign_exact(gm: torch.fx.GraphModule, value: _Value) -> bool:
+    """The tensor's last writer is a ReLU (views do not write; in-place ops do)."""
+    writers = [value.root] + [m for m in value.members[1:] if fx_meta(m).get("inplace")]
+    return is_relu(gm, writers[-1])
+
+
+def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: ApproxConfig) -> MemoryPlan | None:
+    """Decide the bits of every saved value; ``None`` when activations are not to be compressed.
+
+    Example::
+
+        >>> plan = plan_memory(gm, 0.125, ApproxConfig())   # after measure_saved_bytes
+        >>> plan.achieved <= 0.125
+        True
+    """
+    uniform_bits = config.activation_bits
+    if uniform_bits is None and (memory_budget is None or memory_budget >= 1.0):
+        return None
+    values, internal, internal_bool = _values(gm)
+    planned_internal = internal - internal_bool + (internal_bool + 7) // 8
+    bits: dict[str, int] = {}
+    reasons: dict[str, str] = {}
+    candidates = []
+    for name, value in values.items():
+        dtype_bits = _dtype_bits(value.dtype)
+        bits[name] = dtype_bits
+        if value.dtype is None or not value.dtype.is_floating_point:
+            reasons[name] = "kept: not a floating-point tensor"
+        elif value.exact_bytes < config.activation_min_bytes:
+            reasons[name] = f"kept: small ({value.exact_bytes} B < activation_min_bytes)"
+        elif value.sign_only and uniform_bits != 32:
+            bits[name] = 1
+            reasons[name] = "1-bit mask: its only saver is the ReLU itself, which needs only value > 0"
+        else:
+            candidates.append(name)
+            reasons[name] = "kept: not needed for the budget"
+    exact_total = sum(v.exact_bytes for v in values.values()) + internal
+
+    def planned_total() -> int:
+        return sum(values[n].bytes_at(b) for n, b in bits.items()) + planned_internal
+
+    routed = set()
+    if uniform_bits is not None:
+        for name in candidates:
+            routed.add(name)  # activation_bits=32 still routes them through the hooks (a test of the machinery)
+            bits[name] = min(uniform_bits, bits[name])
+            reasons[name] = f"{uniform_bits}-bit copy (activation_bits={uniform_bits})"
+    else:
+        target = memory_budget * exact_total
+        total = planned_total()
+        while total > target:
+            lowerable = [n for n in candidates if bits[n] > _STEPS[-1]]
+            if not lowerable:
+                break
+            name = max(lowerable, key=lambda n: (bits[n], values[n].bytes_at(bits[n])))
+            before = values[name].bytes_at(bits[name])
+            bits[name] = next(step for step in _STEPS if step < bits[name])
+            total -= before - values[name].bytes_at(bits[name])
+            reasons[name] = f"{bits[name]}-bit copy (memory budget)"
+    planned = planned_total()
+    if memory_budget is None:
+        met, budget_text = True, f"activation_bits={uniform_bits}"
+    else:
+        met = planned <= memory_budget * exact_total * (1 + 1e-9)
+        budget_text = f"memory budget {memory_budget:g}"
+    note = (f"saved activations: exact {_mib(exact_total)}, planned {_mib(planned)} "
+            f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}"
+            f"{'' if met else ', NOT met: every eligible value is at 2 bits'})")
+    decisions = []
+    for name, value in values.items():
+        b = bits[name]
+        compressed = b < _dtype_bits(value.dtype) or name in routed
+        decisions.append(SavedValueDecision(
+            node=name, shape=value.shape, dtype=str(value.dtype).replace("torch.", ""),
+            exact_bytes=value.exact_bytes, planned_bytes=value.bytes_at(b), bits=b, reason=reasons[name],
+            savers=sorted(value.savers), aliases=[m.name for m in value.members[1:]],
+            sign_exact=compressed and 1 < b < 16 and _sign_exact(gm, value), compressed=compressed))
+    return MemoryPlan(memory_budget=memory_budget, total_exact_bytes=int(exact_total),
+                      total_planned_bytes=int(planned), internal_bytes=int(internal), budget_met=met, note=note,
+                      values=tuple(decisions))

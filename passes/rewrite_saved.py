@@ -1,0 +1,35 @@
+"""Pass 5b — rewrite for compressed saving: mark each planned value with a ``compress_saved`` node.
+
+After the last node that defines (or aliases) a planned value, insert
+``fxapprox.saved_activations.compress_saved(value, bits, sign_exact)``. The node
+has no users and no effect outside a compressing training forward; inside one it
+tags the value's storage, so whatever autograd saves from it is kept as a
+``bits``-bit copy (see :mod:`fxapprox.saved_activations`). The forward's values
+are untouched, so the forward stays exact.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from fxapprox.plan import MemoryPlan
+from fxapprox.saved_activations import compress_saved
+
+
+def rewrite_saved_activations(gm: torch.fx.GraphModule, memory_plan: MemoryPlan) -> torch.fx.GraphModule:
+    """Insert the ``compress_saved`` markers ``memory_plan`` asks for; returns ``gm`` (recompiled).
+
+    Example::
+
+        >>> gm = rewrite_saved_activations(gm, memory_plan)
+        >>> [n.args[1] for n in gm.graph.nodes if n.target is compress_saved][:2]
+        [4, 4]
+    """
+    by_name = {node.name: node for node in gm.graph.nodes}
+    for decision in memory_plan.compressed:
+        last = by_name[(decision.aliases or [decision.node])[-1]]
+        with gm.graph.inserting_after(last):
+            gm.graph.call_function(compress_saved, (last, decision.bits, decision.sign_exact))
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,129 @@
+"""The activation quantiser: bounded error, unbiased stochastic rounding, exact signs, edge cases."""
+
+import math
+
+import pytest
+import torch
+
+from fxapprox.ops.quantize import pack_mask, quantize, quantized_nbytes
+
+
+def _group_steps(q, numel: int, group_size: int) -> torch.Tensor:
+    """The step of each element's group, flattened like the tensor."""
+    return q.scale.float().repeat_interleave(group_size)[:numel]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_nearest_error_is_at_most_half_a_step(bits):
+    x = torch.randn(8, 300) * torch.linspace(0.1, 10, 300)
+    q = quantize(x, bits, rounding="nearest", group_size=64)
+    error = (q.dequantize() - x).abs().reshape(-1)
+    steps = _group_steps(q, x.numel(), 64)
+    assert torch.all(error <= steps / 2 + 1e-6 * x.abs().max())
+    assert q.dequantize().shape == x.shape and q.dequantize().dtype == x.dtype
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("sign_exact", [False, True])
+def test_stochastic_rounding_is_unbiased(bits, sign_exact):
+    torch.manual_seed(0)
+    x = torch.rand(4, 256) * 3 if sign_exact else torch.randn(4, 256)
+    draws = 3000
+    total = torch.zeros_like(x)
+    for _ in range(draws):
+        total += quantize(x, bits, group_size=64, sign_exact=sign_exact).dequantize()
+    mean = total / draws
+    q = quantize(x, bits, group_size=64, sign_exact=sign_exact)
+    steps = _group_steps(q, x.numel(), 64).view_as(x)
+    # One draw's error has variance ≤ step²/4; the mean of `draws` has ≤ step²/(4·draws). Allow 5 σ.
+    bound = 5 * steps / (2 * math.sqrt(draws))
+    assert torch.all((mean - x).abs() <= bound + 1e-6)
+
+
+def test_stochastic_error_stays_below_one_step():
+    x = torch.randn(16, 512)
+    q = quantize(x, 4, group_size=128)
+    steps = _group_steps(q, x.numel(), 128).view_as(x)
+    assert torch.all((q.dequantize() - x).abs() <= steps + 1e-6)
+
+
+def test_sign_exact_keeps_zeros_and_positives():
+    x = torch.relu(torch.randn(32, 257))
+    x[0, :5] = 1e-12  # tiny positives must stay positive
+    for bits in (2, 4, 8):
+        y = quantize(x, bits, sign_exact=True).dequantize()
+        assert torch.equal(y > 0, x > 0)
+        assert torch.all(y >= 0)
+
+
+def test_constant_and_zero_tensors_come_back_exactly():
+    for x in (torch.full((3, 100), 2.5), torch.zeros(5, 64), torch.full((7,), -1.0)):
+        for rounding in ("stochastic", "nearest"):
+            assert torch.equal(quantize(x, 4, rounding=rounding).dequantize(), x)
+
+
+def test_nan_and_inf_propagate_to_their_group():
+    x = torch.randn(4, 64)
+    x[1, 3] = float("nan")
+    x[2, 7] = float("inf")
+    y = quantize(x, 4, group_size=64).dequantize()
+    assert not torch.isfinite(y[1]).all() and not torch.isfinite(y[2]).all()
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[3]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_round_trip(dtype):
+    x = torch.randn(6, 128).to(dtype)
+    y = quantize(x, 8, rounding="nearest").dequantize()
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert (y.float() - x.float()).abs().max() < 0.05 * x.float().abs().max()
+
+
+def test_layouts_odd_sizes_and_empty():
+    x = torch.randn(2, 3, 5, 7).to(memory_format=torch.channels_last)
+    y = quantize(x, 8, rounding="nearest").dequantize()
+    assert y.is_contiguous(memory_format=torch.channels_last) and y.shape == x.shape
+    assert (y - x).abs().max() < 0.05
+    t = torch.randn(33, 17).t()  # non-contiguous, numel not a multiple of the group
+    assert (quantize(t, 8, rounding="nearest").dequantize() - t).abs().max() < 0.05
+    empty = torch.randn(0, 4)
+    assert quantize(empty, 4).dequantize().shape == (0, 4)
+    one = torch.tensor([3.0])
+    assert torch.equal(quantize(one, 2).dequantize(), one)
+
+
+def test_sizes_match_the_formula():
+    x = torch.randn(1000, 256)
+    for bits in (2, 4, 8):
+        assert quantize(x, bits).nbytes == quantized_nbytes(x.numel(), bits)
+    assert quantized_nbytes(x.numel(), 4) / (x.numel() * 4) == pytest.approx(4.125 / 32)
+
+
+def test_masks_are_lossless():
+    mask = torch.rand(3, 1001) > 0.5
+    assert torch.equal(pack_mask(mask).dequantize(), mask)
+    x = torch.relu(torch.randn(5, 9))
+    assert torch.equal(pack_mask(x).dequantize(), (x > 0).float())
+    assert pack_mask(mask).nbytes == math.ceil(mask.numel() / 8)
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="bits"):
+        quantize(x, 3)
+    with pytest.raises(ValueError, match="rounding"):
+        quantize(x, 4, rounding="up")
+    with pytest.raises(ValueError, match="group_size"):
+        quantize(x, 4, group_size=12)
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize(torch.ones(3, dtype=torch.int64), 4)
+
+
+def test_compiled_kernels_equal_eager():
+    x = torch.randn(64, 320)
+    torch.manual_seed(3)
+    eager = quantize(x, 4)
+    torch.manual_seed(3)
+    compiled = quantize(x, 4, compiled=True)
+    assert torch.equal(eager.packed, compiled.packed)
+    torch.testing.assert_close(compiled.dequantize(), eager.dequantize(), atol=1e-6, rtol=0)
