@@ -57,11 +57,11 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _parse_budget(text: str) -> float:
+def _parse_budget(text: str, flag: str = "--budget") -> float:
     try:
         return float(text)
     except ValueError:
-        raise CliError(f"--budget {text!r}: expected a number in (0, 1]") from None
+        raise CliError(f"{flag} {text!r}: expected a number in (0, 1]") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("model", help="torchvision:NAME or package.module:callable")
         sub.add_argument("--budget", default="0.5", help="fraction of exact training FLOPs, in (0, 1] (0.5)")
         sub.add_argument("--input-shape", default="8,3,224,224", help="example input shape (8,3,224,224)")
+        sub.add_argument("--memory-budget", default=None,
+                         help="fraction of exact saved-activation bytes, in (0, 1] (none: not compressed)")
         sub.add_argument("--method", default="topk", help="pair selection method (topk)")
         sub.add_argument("--seed", type=int, default=0, help="seed for the random model and input (0)")
 
@@ -92,6 +94,8 @@ def _approximate(args, progress: bool):
     shape = parse_shape(args.input_shape)
     try:  # before building the model: bad arguments fail fast
         budget = check_fraction("budget", _parse_budget(args.budget))
+        memory_budget = None if args.memory_budget is None else check_fraction(
+            "memory_budget", _parse_budget(args.memory_budget, "--memory-budget"))
         check_choice("method", args.method, METHODS)
     except (TypeError, ValueError) as error:
         raise CliError(str(error)) from None
@@ -99,8 +103,8 @@ def _approximate(args, progress: bool):
     model = load_model(args.model)
     example = torch.randn(shape)
     try:
-        return fxapprox.approximate(model, budget, example_inputs=(example,), method=args.method,
-                                    config=fxapprox.ApproxConfig(progress=progress))
+        return fxapprox.approximate(model, budget, example_inputs=(example,), memory_budget=memory_budget,
+                                    method=args.method, config=fxapprox.ApproxConfig(progress=progress))
     except (TypeError, ValueError) as error:  # argument validation: one line, no traceback
         raise CliError(str(error)) from None
 

@@ -181,9 +181,13 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     else:
         met = planned <= memory_budget * exact_total * (1 + 1e-9)
         budget_text = f"memory budget {memory_budget:g}"
+    why_not = ""
+    if not met:
+        kept = [v.exact_bytes for n, v in values.items() if bits[n] >= _dtype_bits(v.dtype) and n not in candidates]
+        why_not = (f", NOT met: every eligible value is at 2 bits; {len(kept)} values ({_mib(sum(kept))}) "
+                   f"and {_mib(planned_internal)} of temporaries stay as they are")
     note = (f"saved activations: exact {_mib(exact_total)}, planned {_mib(planned)} "
-            f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}"
-            f"{'' if met else ', NOT met: every eligible value is at 2 bits'})")
+            f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}{why_not})")
     decisions = []
     for name, value in values.items():
         b = bits[name]

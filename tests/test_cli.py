@@ -26,6 +26,14 @@ def test_report_table():
     assert "layer4.1.conv2" in result.stdout and "budget asked 0.5" in result.stdout
 
 
+def test_report_with_memory_budget():
+    result = _run("report", "torchvision:resnet18", "--budget", "1", "--memory-budget", "0.25",
+                  "--input-shape", "8,3,64,64", "--json")
+    assert result.returncode == 0, result.stderr
+    memory = json.loads(result.stdout)["memory"]
+    assert memory["budget_met"] and memory["total_planned_bytes"] <= 0.25 * memory["total_exact_bytes"]
+
+
 def test_export(tmp_path):
     result = _run("export", "tests.test_cli:tiny_model", "-o", str(tmp_path), "--input-shape", "4,32")
     assert result.returncode == 0, result.stderr
@@ -41,6 +49,8 @@ def test_export(tmp_path):
     (("report", "torchvision:resnet18", "--input-shape", "1,x"), "--input-shape '1,x'"),
     (("report", "torchvision:resnet18", "--input-shape", "2,5,32,32"), "failed on the example inputs"),
     (("report", "torchvision:resnet18", "--method", "nope"), "method must be one of"),
+    (("report", "torchvision:resnet18", "--memory-budget", "x"), "--memory-budget 'x'"),
+    (("report", "torchvision:resnet18", "--memory-budget", "0"), "memory_budget must be in (0, 1]"),
 ])
 def test_errors_are_one_line(args, message, capsys):
     assert main(list(args)) == 2
