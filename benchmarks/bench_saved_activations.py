@@ -134,7 +134,7 @@ def child_cap(variant: str, cap: int, start: int) -> dict:
     low, high = 0, start
     while fits(high):
         low, high = high, high * 2
-    while high - low > max(1, low // 16):
+    while high - low > 1:
         middle = (low + high) // 2
         if fits(middle):
             low = middle
@@ -202,6 +202,7 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="smaller, for a smoke run (not written)")
     parser.add_argument("--cap-gib", type=float, default=2.0)
+    parser.add_argument("--only-cap", action="store_true", help="only the memory-cap search (printed, not written)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -211,6 +212,10 @@ def main() -> None:
         print(json.dumps(result))
         return
 
+    if args.only_cap:
+        caps = {name: _in_subprocess("cap", name, str(args.cap_gib), "16")["max_batch"] for name in ("exact", "4-bit")}
+        print(caps, caps["4-bit"] / caps["exact"])
+        return
     batch = 4 if args.quick else 16
     x, y = _batch(batch)
     exact = _resnet50()

@@ -79,6 +79,7 @@ class _LastUnpacked:
 
     def get(self, copy: QuantizedTensor) -> torch.Tensor:
         if self.copy is not copy:
+            self.copy = self.tensor = None  # let the previous one go before building the next
             self.copy, self.tensor = copy, copy.dequantize()
         return self.tensor
 
