@@ -119,12 +119,15 @@ def child_cap(variant: str, cap: int, start: int) -> dict:
     limit = _status("VmSize") + cap
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
+    failures = []
+
     def fits(size: int) -> bool:
         xb, yb = _batch(size)
         try:
             _step(module, optimizer, xb, yb)()
             return True
-        except (RuntimeError, MemoryError):
+        except (RuntimeError, MemoryError) as error:
+            failures.append(f"{size}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
             return False
         finally:
             optimizer.zero_grad(set_to_none=True)
@@ -140,7 +143,7 @@ def child_cap(variant: str, cap: int, start: int) -> dict:
             low = middle
         else:
             high = middle
-    return {"max_batch": low}
+    return {"max_batch": low, "failures": failures}
 
 
 def _in_subprocess(*args: str) -> dict:
@@ -215,6 +218,7 @@ def main() -> None:
     if args.only_cap:
         caps = {name: _in_subprocess("cap", name, str(args.cap_gib), "16")["max_batch"] for name in ("exact", "4-bit")}
         print(caps, caps["4-bit"] / caps["exact"])
+        print(_in_subprocess("cap", "4-bit", str(args.cap_gib), "120"))
         return
     batch = 4 if args.quick else 16
     x, y = _batch(batch)

@@ -16,10 +16,13 @@ from fxapprox.errors import AnalysisError, FxApproxError, PlanNotReadyError, Tra
 from fxapprox.export import export
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.report import Report
+from fxapprox.saved_activations import SavedActivationStats, count_saved_bytes
+from fxapprox.schedule import SparseThenDense
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AnalysisError", "ApproxConfig", "ApproxGraphModule", "FxApproxError", "LayerDecision", "LayerOverride", "Plan",
-    "PlanNotReadyError", "Report", "TraceError", "analyse", "approximate", "export", "recalibrate_bn",
+    "PlanNotReadyError", "Report", "SavedActivationStats", "SparseThenDense", "TraceError", "analyse", "approximate",
+    "count_saved_bytes", "export", "recalibrate_bn",
 ]

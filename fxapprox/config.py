@@ -98,6 +98,9 @@ class ApproxConfig:
       every eligible layer at ``keep_ratio`` (combine with ``min_channels`` for
       "layers with ≥ N channels at ratio r"); see :meth:`paper_recipe`.
     - ``progress``: show a progress bar while the analysis passes run.
+    - ``lstm_granularity``: ``"coarse"`` (default: the same kept gate columns for the
+      whole batch at each step, so the backward GEMMs shrink) or ``"fine"`` (each row
+      keeps its own top-k; more faithful, not faster) for LSTM sparse backward.
 
     Saved activations (used when ``memory_budget < 1`` or ``activation_bits`` is set):
 
@@ -128,6 +131,7 @@ class ApproxConfig:
     random_share: float = 0.05
     policy: str = "budget"
     progress: bool = False
+    lstm_granularity: str = "coarse"
     activation_bits: int | None = None
     activation_group_size: int = 256
     activation_rounding: str = "stochastic"
@@ -158,6 +162,7 @@ class ApproxConfig:
         check_choice("policy", self.policy, POLICIES)
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress must be a bool, got {self.progress!r}")
+        check_choice("lstm_granularity", self.lstm_granularity, ("coarse", "fine"))
         if self.activation_bits is not None:
             check_int("activation_bits", self.activation_bits, minimum=1)
             if self.activation_bits not in ACTIVATION_BITS:
@@ -208,6 +213,7 @@ class ApproxConfig:
             "mode": self.mode,
             "random_share": self.random_share,
             "policy": self.policy,
+            "lstm_granularity": self.lstm_granularity,
             "activation_bits": self.activation_bits,
             "activation_group_size": self.activation_group_size,
             "activation_rounding": self.activation_rounding,

@@ -9,6 +9,7 @@ switched off (``set_approximate(False)``).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from fxapprox._validate import check_choice, check_int, check_share
 from fxapprox.ops.conv import backward_sampled_conv2d, pair_scores_conv2d, sampled_conv2d
 from fxapprox.ops.linear import backward_sampled_linear, pair_scores_linear, sampled_linear
+from fxapprox.ops.lstm import GRANULARITIES, sparse_backward_lstm_layer
 from fxapprox.ops.sampling import METHODS
 
 MODES = ("forward", "backward")
@@ -228,4 +230,89 @@ class ApproxMatmul(ApproxOp, nn.Module):
         return f"parameter_side={self.parameter_side}, " + super().extra_repr()
 
 
-APPROX_MODULE_TYPES = (ApproxLinear, ApproxConv2d, ApproxFunctionalLinear, ApproxFunctionalConv2d, ApproxMatmul)
+def lstm_blocker(lstm: nn.LSTM) -> str | None:
+    """Why ``lstm`` cannot get a sparse backward, or ``None``."""
+    if lstm.proj_size:
+        return f"LSTM with proj_size={lstm.proj_size}: sparse backward not supported, stays exact"
+    if lstm.weight_hh_l0.dtype not in (torch.float32, torch.float64):
+        return f"LSTM in {lstm.weight_hh_l0.dtype}: sparse backward runs in fp32/fp64 only, stays exact"
+    return None
+
+
+class ApproxLSTM(ApproxOp, nn.LSTM):
+    """``nn.LSTM`` whose training backward keeps ``k`` of ``hidden_size`` gate-gradient columns per gate.
+
+    The forward is exact (own implementation while training, ``nn.LSTM``'s otherwise).
+    Multiple layers, ``batch_first``, bidirectional, dropout between layers and
+    initial states are supported; a ``PackedSequence`` input runs exactly
+    (``nn.LSTM``'s kernel) and warns once.
+    """
+
+    @classmethod
+    def from_lstm(cls, lstm: nn.LSTM, spec: SamplingSpec, granularity: str = "coarse") -> "ApproxLSTM":
+        blocker = lstm_blocker(lstm)
+        if blocker is not None:
+            raise ValueError(blocker)
+        if spec.n != lstm.hidden_size:
+            raise ValueError(f"spec.n={spec.n} does not match hidden_size={lstm.hidden_size}")
+        new = _adopt(cls, lstm)
+        new._init_approx(spec)
+        new.fxapprox_granularity = check_choice("granularity", granularity, set(GRANULARITIES))
+        new.fxapprox_always_own = False
+        new._warned_packed = False
+        return new
+
+    @property
+    def approximating(self) -> bool:
+        """True when the next training forward uses the sparse backward (or ``fxapprox_always_own`` is set:
+        the own implementation even at keep-ratio 1, for benchmarks and tests of its dense path)."""
+        return self.training and self.fxapprox_enabled and (
+            self.fxapprox_spec.k < self.fxapprox_spec.n or self.fxapprox_always_own)
+
+    def forward(self, input, hx=None):  # noqa: A002 — nn.LSTM's signature
+        if isinstance(input, nn.utils.rnn.PackedSequence):
+            if self.approximating and not self._warned_packed:
+                warnings.warn("fxapprox: ApproxLSTM got a PackedSequence; its backward runs exactly (pad the "
+                              "sequences for the sparse backward)", RuntimeWarning, stacklevel=2)
+                self._warned_packed = True
+            return super().forward(input, hx)
+        if not (self.approximating and torch.is_grad_enabled()):
+            return super().forward(input, hx)
+        unbatched = input.dim() == 2
+        x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
+        directions = 2 if self.bidirectional else 1
+        shape = (self.num_layers * directions, x.shape[1], self.hidden_size)
+        if hx is None:
+            h0 = c0 = x.new_zeros(shape)
+        else:
+            h0, c0 = (h.unsqueeze(1) for h in hx) if unbatched else hx
+        keep = self.fxapprox_spec.keep_ratio
+        h_n, c_n = [], []
+        for layer in range(self.num_layers):
+            outputs = []
+            for direction in range(directions):
+                suffix = f"_l{layer}" + ("_reverse" if direction else "")
+                index = layer * directions + direction
+                seq = x.flip(0) if direction else x
+                hs, h, c = sparse_backward_lstm_layer(
+                    seq, h0[index], c0[index], getattr(self, "weight_ih" + suffix), getattr(self, "weight_hh" + suffix),
+                    getattr(self, "bias_ih" + suffix, None), getattr(self, "bias_hh" + suffix, None), keep,
+                    self.fxapprox_granularity)
+                outputs.append(hs.flip(0) if direction else hs)
+                h_n.append(h)
+                c_n.append(c)
+            x = outputs[0] if directions == 1 else torch.cat(outputs, dim=2)
+            if self.dropout and layer < self.num_layers - 1:
+                x = F.dropout(x, self.dropout, training=True)
+        output = x.squeeze(1) if unbatched else (x.transpose(0, 1) if self.batch_first else x)
+        h_n, c_n = torch.stack(h_n), torch.stack(c_n)
+        if unbatched:
+            h_n, c_n = h_n.squeeze(1), c_n.squeeze(1)
+        return output, (h_n, c_n)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", granularity={getattr(self, 'fxapprox_granularity', 'coarse')}"
+
+
+APPROX_MODULE_TYPES = (ApproxLinear, ApproxConv2d, ApproxFunctionalLinear, ApproxFunctionalConv2d, ApproxMatmul,
+                       ApproxLSTM)

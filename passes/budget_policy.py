@@ -32,7 +32,7 @@ from collections import Counter
 import torch.fx
 
 from fxapprox.config import ApproxConfig
-from fxapprox.modules import resolve_conv_padding
+from fxapprox.modules import lstm_blocker, resolve_conv_padding
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.passes._meta import fx_meta, train_flops
 from fxapprox.passes.graph_view import target_name
@@ -60,14 +60,14 @@ def _module(gm: torch.fx.GraphModule, node: torch.fx.Node):
 def _blocker(node: torch.fx.Node, meta: dict, config: ApproxConfig, calls: Counter) -> str | None:
     """Why ``node`` cannot be sampled, or ``None`` when it can."""
     kind = meta.get("op_kind")
-    if kind in ("lstm", "gru", "rnn"):
-        return f"recurrent layer ({meta.get('module_type')}): no sampled version yet"
+    if kind in ("gru", "rnn"):
+        return f"recurrent layer ({meta.get('module_type')}): no sparse-backward version yet"
     if kind is None:
         if node.op == "call_module":
             return f"opaque leaf module ({meta.get('module_type')}): its inside is not traced"
         return f"{target_name(node)}: no sampled version of this op"
     if kind not in SAMPLEABLE_KINDS:
-        return f"{meta.get('module_type', kind)}: only Linear, Conv2d, linear, conv2d and matmul are sampled"
+        return f"{meta.get('module_type', kind)}: only Linear, Conv2d, LSTM, linear, conv2d and matmul are sampled"
     if kind in ("linear_fn", "conv2d_fn", "matmul") and not meta.get("parameter_operand"):
         return "no parameter operand (both operands are activations)"
     if kind == "conv2d_fn" and not meta.get("numeric_padding", True):
@@ -126,6 +126,8 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
         blocker = _blocker(node, meta, config, calls)
         if blocker is None and meta.get("op_kind") == "conv2d" and resolve_conv_padding(_module(gm, node)) is None:
             blocker = "asymmetric 'same' padding (even kernel): not sampled"
+        if blocker is None and meta.get("op_kind") == "lstm":
+            blocker = lstm_blocker(_module(gm, node))
         override = config.override_for(_names(node), _module(gm, node))
         if blocker is None and override is not None and override.exclude:
             blocker = f"excluded by override {override.describe()}"
@@ -134,6 +136,9 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
             continue
         methods[node] = (override.method if override and override.method else method)
         modes[node] = (override.mode if override and override.mode else config.mode)
+        if meta.get("op_kind") == "lstm":
+            # An LSTM keeps its forward exact and the top-k gate-gradient columns in backward.
+            methods[node], modes[node] = "topk", "backward"
         n = meta["reduction_size"]
         if override is not None and override.keep_ratio is not None:
             k = _k_at(override.keep_ratio, n)
@@ -233,7 +238,8 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
             planned_flops=planned, approximate=approximate, reason=reasons[node],
             method=methods.get(node) if approximate else None, mode=modes.get(node) if approximate else None,
             k=k if approximate else None, n=n if approximate else None,
-            random_share=config.random_share if approximate and methods[node] == "topk" else 0.0,
+            random_share=config.random_share if approximate and methods[node] == "topk"
+            and meta.get("op_kind") != "lstm" else 0.0,
             rank=meta.get("rank"), saved_bytes=int(meta.get("saved_bytes", 0)))
         meta["plan"] = decision.to_dict()
         decisions.append(decision)

@@ -16,7 +16,7 @@ import torch.fx
 from fxapprox.passes._meta import fx_meta, train_flops
 
 #: layer kinds the rewrite pass knows how to sample (others stay exact with a reason)
-SAMPLEABLE_KINDS = ("linear", "conv2d", "linear_fn", "conv2d_fn", "matmul")
+SAMPLEABLE_KINDS = ("linear", "conv2d", "linear_fn", "conv2d_fn", "matmul", "lstm")
 
 
 def rank_layers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -1,8 +1,9 @@
 """Pass 5 — rewrite: replace the planned nodes with sampled ops.
 
-* ``call_module`` ``nn.Linear`` / ``nn.Conv2d`` → the submodule is swapped for
-  :class:`~fxapprox.modules.ApproxLinear` / :class:`~fxapprox.modules.ApproxConv2d`
-  holding the *same* parameters under the same path (``state_dict`` keys stay).
+* ``call_module`` ``nn.Linear`` / ``nn.Conv2d`` / ``nn.LSTM`` → the submodule is swapped for
+  :class:`~fxapprox.modules.ApproxLinear` / :class:`~fxapprox.modules.ApproxConv2d` /
+  :class:`~fxapprox.modules.ApproxLSTM` (sparse backward) holding the *same* parameters
+  under the same path (``state_dict`` keys stay).
 * ``F.linear(x, weight, bias)``, ``F.conv2d(x, weight, ...)`` (groups=1) and
   ``x @ W`` / ``W @ x`` with a parameter operand → a ``call_module`` node calling
   a parameter-free :class:`~fxapprox.modules.ApproxFunctionalLinear` /
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch.fx
 
 from fxapprox.modules import (ApproxConv2d, ApproxFunctionalConv2d, ApproxFunctionalLinear, ApproxLinear,
-                              ApproxMatmul, SamplingSpec)
+                              ApproxLSTM, ApproxMatmul, SamplingSpec)
 from fxapprox.plan import Plan
 from fxapprox.passes._meta import fx_meta
 from fxapprox.passes.channels import conv2d_call_args
@@ -48,6 +49,9 @@ def rewrite_sampled_ops(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphM
             gm.add_submodule(node.target, ApproxLinear.from_linear(gm.get_submodule(node.target), spec))
         elif kind == "conv2d":
             gm.add_submodule(node.target, ApproxConv2d.from_conv2d(gm.get_submodule(node.target), spec))
+        elif kind == "lstm":
+            granularity = plan.config.get("lstm_granularity", "coarse")
+            gm.add_submodule(node.target, ApproxLSTM.from_lstm(gm.get_submodule(node.target), spec, granularity))
         elif kind in ("linear_fn", "conv2d_fn", "matmul"):
             module_name = f"fxapprox_{node.name}"
             if kind == "linear_fn":

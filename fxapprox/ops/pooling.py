@@ -28,8 +28,11 @@ class _CompactMaxPool2d(torch.autograd.Function):
         out, index = F.max_pool2d(x, kernel, stride, padding, 1, ceil_mode, return_indices=True)
         width = x.shape[-1]
         rows, cols = _origins(out.shape[-2], out.shape[-1], stride, padding, x.device)
+        # In place on max_pool2d's int64 index: offset = (row − row0)·kw + (col − col0).
         in_row = torch.div(index, width, rounding_mode="floor")
-        offset = (in_row - rows) * kernel[1] + (index - in_row * width - cols)
+        index.sub_(in_row * width).sub_(cols)
+        offset = in_row.sub_(rows).mul_(kernel[1]).add_(index)
+        del index
         ctx.save_for_backward(offset.to(torch.uint8))
         ctx.geometry = (x.shape, kernel, stride, padding)
         return out
@@ -39,11 +42,19 @@ class _CompactMaxPool2d(torch.autograd.Function):
         (offset,) = ctx.saved_tensors
         shape, kernel, stride, padding = ctx.geometry
         rows, cols = _origins(grad_out.shape[-2], grad_out.shape[-1], stride, padding, grad_out.device)
-        offset = offset.to(torch.int64)
-        index = (torch.div(offset, kernel[1], rounding_mode="floor") + rows) * shape[-1] + offset % kernel[1] + cols
         lead = shape[:-2].numel()
         grad_in = grad_out.new_zeros(lead, shape[-2] * shape[-1])
-        grad_in.scatter_add_(1, index.reshape(lead, -1), grad_out.reshape(lead, -1))
+        offset = offset.reshape(lead, *offset.shape[-2:])
+        grad_out = grad_out.reshape(lead, -1)
+        # The int64 scatter index is 8 bytes per output: build it a slice of planes at a time so
+        # the backward's peak memory stays near max_pool2d's own.
+        step = max(1, (1 << 22) // max(1, offset[0].numel()))
+        for start in range(0, lead, step):
+            part = offset[start:start + step]
+            in_row = torch.div(part, kernel[1], rounding_mode="floor")
+            in_col = part - in_row * kernel[1]
+            index = in_row.to(torch.int64).add_(rows).mul_(shape[-1]).add_(in_col).add_(cols)
+            grad_in[start:start + step].scatter_add_(1, index.view(index.shape[0], -1), grad_out[start:start + step])
         return grad_in.view(shape), None, None, None, None
 
 

@@ -144,8 +144,13 @@ def _run(kind: str, compiled: bool, *args):
     index = 0 if kind == "encode" else 1
     if compiled and not _compile_failed:
         try:
-            return _kernels(True)[index](*args)
-        except Exception as error:  # a missing C++ toolchain surfaces on the first call
+            with torch.no_grad():  # one grad mode: packing (forward) and unpacking (backward) share kernels
+                return _kernels(True)[index](*args)
+        except Exception as error:
+            # Only compiler failures (no C++ toolchain, an unsupported op) fall back; running out of
+            # memory or a bad input inside a compiled kernel is the caller's error, raised as is.
+            if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
             _compile_failed[kind] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(f"fxapprox: compiling the activation packer failed ({_compile_failed[kind]}); "
                           "packing eagerly from now on (slower, same results)", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,100 @@
+"""Issue 5 benchmark: sparse-backward LSTM train step vs nn.LSTM.
+
+Single-layer LSTM 512→512, T=50, batch 64, fp32; a train step is forward +
+backward of ``(output · G).sum()`` for a fixed random ``G`` (no optimizer, as
+in the issue). Variants, all in the same run, interleaved, median of
+``--repetitions`` after warm-up:
+
+* ``nn.LSTM`` itself (oneDNN kernel);
+* ``fxapprox dense path``: our implementation at keep-ratio 1 (``fxapprox_always_own``);
+* ``budget 2/3`` and ``budget 0.5``: ``fxapprox.approximate(model, budget)``;
+  the plan's gate keep-ratio is printed (≈0.5 and ≈0.25).
+
+Also reports the share of the step the per-step column selection, gathers and
+scatters take (by timing the backward with the GEMM operands pre-gathered is
+not possible without changing the code, so the profile's self-time of
+``index_select``/``index_add_``/``topk`` is shown instead).
+
+Usage: python benchmarks/bench_lstm.py [--repetitions 7] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+from torch import nn
+
+import fxapprox
+
+from _common import interleaved_medians, machine_line, markdown_table, print_table, write_section
+
+
+class LSTMOnly(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(size, size)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+def _step(module, x, grad):
+    def step():
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        (module(x) * grad).sum().backward()
+    return step
+
+
+def _selection_share(step) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    picked = sum(e.self_cpu_time_total for e in prof.key_averages()
+                 if e.key in ("aten::index_select", "aten::index_add_", "aten::topk", "aten::sort"))
+    return picked / total if total else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repetitions", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="small sizes, not written to BENCHMARKS.md")
+    args = parser.parse_args()
+    size, steps, batch = (128, 10, 16) if args.quick else (512, 50, 64)
+    torch.manual_seed(0)
+    model = LSTMOnly(size)
+    x = torch.randn(steps, batch, size, requires_grad=True)
+    grad = torch.randn(steps, batch, size)
+
+    dense_own = fxapprox.approximate(copy.deepcopy(model), budget=0.5, example_inputs=(x,))
+    dense_own.lstm.fxapprox_spec = type(dense_own.lstm.fxapprox_spec)("topk", size, size, mode="backward")
+    dense_own.lstm.fxapprox_always_own = True
+    variants = {"nn.LSTM": model, "fxapprox dense path (keep 1.0)": dense_own}
+    ratios = {"nn.LSTM": 1.0, "fxapprox dense path (keep 1.0)": 1.0}
+    for label, budget in (("budget 2/3", 2 / 3), ("budget 0.5", 0.5)):
+        approx = fxapprox.approximate(copy.deepcopy(model), budget=budget, example_inputs=(x,))
+        variants[label] = approx
+        ratios[label] = approx.plan.decision("lstm").keep_ratio
+    steps_fn = {name: _step(module, x, grad) for name, module in variants.items()}
+    times = interleaved_medians(steps_fn, 2 if args.quick else args.repetitions, warmup=2)
+    base = times["nn.LSTM"]
+    rows = []
+    for name, seconds in times.items():
+        share = _selection_share(steps_fn[name]) if ratios[name] < 1 else 0.0
+        rows.append([name, f"{ratios[name]:.3f}", f"{seconds * 1e3:.1f}", f"{base / seconds:.2f}×",
+                     f"{share:.1%}" if ratios[name] < 1 else "-"])
+    headers = ["variant", "gate keep-ratio", "step ms", "speed vs nn.LSTM", "select+gather+scatter share"]
+    title = f"LSTM {size}→{size}, T={steps}, batch {batch}, fp32, forward + backward"
+    print_table(title, headers, rows)
+    if not args.quick:
+        write_section("lstm", f"## Sparse-backward LSTM (issue 5)\n\n`python benchmarks/bench_lstm.py` — "
+                              f"{machine_line()}\n\n**{title}** (median of {args.repetitions}, interleaved)\n\n"
+                      + markdown_table(headers, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""LSTM layer with an exact forward and a structurally sparsified backward (Zhu et al.).
+
+In an LSTM's backward, the gate gradients ``dZ_t`` (batch × 4H, gates
+``i, f, g, o``) drive three GEMMs per step: ``dh_{t−1} = dZ_t·W_hh``,
+``dx_t = dZ_t·W_ih`` and ``dW += dZ_tᵀ·[x_t; h_{t−1}]``. Keeping, per gate,
+only ``k`` of the ``H`` columns makes every one of them a smaller dense GEMM:
+
+* **coarse-grained** (default): the same kept hidden units for the whole
+  batch at each step — the ``k`` columns of each gate with the largest norm
+  over the batch; the three GEMMs run on the gathered ``4k`` columns;
+* **fine-grained**: each row keeps its own ``k`` largest entries per gate
+  (more faithful; the GEMMs stay full size, so it does not save time on CPU).
+
+The forward is exact and computes the same values as ``nn.LSTM`` (to float
+rounding): the input projection of all steps is one GEMM, each step adds
+``h_{t−1}·W_hhᵀ`` in place and applies the gates. ``tanh`` is computed as
+``2σ(2x) − 1``: ``torch.tanh`` measured ~5× slower than ``torch.sigmoid`` on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GRANULARITIES = ("coarse", "fine")
+
+
+def _tanh_(x: torch.Tensor) -> torch.Tensor:
+    return x.mul_(2).sigmoid_().mul_(2).sub_(1)
+
+
+def keep_count(keep_ratio: float, hidden: int) -> int:
+    """Gate-gradient columns kept per gate at ``keep_ratio``."""
+    return max(1, min(hidden, round(keep_ratio * hidden)))
+
+
+def coarse_columns(dz: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (into the ``4H`` gate columns, sorted) of each gate's ``k`` largest column norms over the batch."""
+    hidden = dz.shape[1] // 4
+    norms = dz.square().sum(0).view(4, hidden)
+    kept = norms.topk(k, dim=1, sorted=False).indices
+    kept = kept + torch.arange(0, 4 * hidden, hidden, device=dz.device).view(4, 1)
+    return kept.view(-1).sort().values
+
+
+def fine_mask_(dz: torch.Tensor, k: int) -> torch.Tensor:
+    """Zero, in place, all but each row's ``k`` largest-magnitude entries per gate."""
+    rows, width = dz.shape
+    gates = dz.view(rows, 4, width // 4)
+    threshold = gates.abs().topk(k, dim=2, sorted=False).values.amin(dim=2, keepdim=True)
+    return gates.mul_(gates.abs() >= threshold).view(rows, width)
+
+
+class _SparseBackwardLSTMLayer(torch.autograd.Function):
+    """One direction of one layer: ``x`` (T, B, I) → all hidden states (T, B, H), h_T, c_T."""
+
+    @staticmethod
+    def forward(ctx, x, h0, c0, w_ih, w_hh, b_ih, b_hh, keep_ratio, granularity):
+        steps, batch, _ = x.shape
+        hidden = w_hh.shape[1]
+        bias = None if b_ih is None else b_ih + b_hh
+        flat = x.reshape(steps * batch, -1)
+        gates = (flat @ w_ih.t() if bias is None else torch.addmm(bias, flat, w_ih.t())).view(steps, batch, 4 * hidden)
+        hs = x.new_empty(steps, batch, hidden)
+        cs = x.new_empty(steps, batch, hidden)
+        w_hh_t = w_hh.t()
+        h, c = h0, c0
+        for t in range(steps):
+            z = gates[t]
+            z.addmm_(h, w_hh_t)
+            z[:, 2 * hidden:3 * hidden].mul_(2)
+            z.sigmoid_()
+            z[:, 2 * hidden:3 * hidden].mul_(2).sub_(1)     # g = tanh(pre) = 2σ(2·pre) − 1
+            i, f, g, o = z.split(hidden, dim=1)
+            c = torch.addcmul(f * c, i, g, out=cs[t])
+            h = torch.mul(o, _tanh_(c.clone()), out=hs[t])
+        ctx.save_for_backward(x, h0, c0, w_ih, w_hh, gates, hs, cs)
+        ctx.options = (keep_ratio, granularity, b_ih is not None)
+        return hs, hs[-1].clone(), cs[-1].clone()
+
+    @staticmethod
+    def backward(ctx, grad_hs, grad_hn, grad_cn):
+        x, h0, c0, w_ih, w_hh, gates, hs, cs = ctx.saved_tensors
+        keep_ratio, granularity, has_bias = ctx.options
+        steps, batch, _ = x.shape
+        hidden = w_hh.shape[1]
+        k = keep_count(keep_ratio, hidden)
+        sparse = granularity == "coarse" and k < hidden
+        dh = grad_hn.clone() if grad_hn is not None else x.new_zeros(batch, hidden)
+        dc = grad_cn.clone() if grad_cn is not None else x.new_zeros(batch, hidden)
+        if sparse:
+            grad_x = x.new_empty(x.shape)
+            grad_w_ih = torch.zeros_like(w_ih)
+            grad_w_hh = torch.zeros_like(w_hh)
+            grad_bias = x.new_zeros(4 * hidden)
+        else:
+            dz_all = x.new_empty(steps, batch, 4 * hidden)
+        dz_buffer = x.new_empty(batch, 4 * hidden)
+        for t in range(steps - 1, -1, -1):
+            if grad_hs is not None:
+                dh = dh + grad_hs[t]
+            i, f, g, o = gates[t].split(hidden, dim=1)
+            c_prev = cs[t - 1] if t else c0
+            h_prev = hs[t - 1] if t else h0
+            tanh_c = _tanh_(cs[t].clone())
+            dz = dz_all[t] if not sparse else dz_buffer
+            di, df, dg, do = dz.split(hidden, dim=1)
+            torch.mul(dh, tanh_c, out=do)
+            dc = dc + dh * o * (1 - tanh_c * tanh_c)
+            torch.mul(dc, g, out=di)
+            torch.mul(dc, c_prev, out=df)
+            torch.mul(dc, i, out=dg)
+            dc = dc * f
+            di.mul_(i * (1 - i))
+            df.mul_(f * (1 - f))
+            dg.mul_(1 - g * g)
+            do.mul_(o * (1 - o))
+            if granularity == "fine" and k < hidden:
+                fine_mask_(dz, k)
+            if sparse:
+                kept = coarse_columns(dz, k)
+                dz_kept = dz.index_select(1, kept)
+                dh = dz_kept @ w_hh.index_select(0, kept)
+                grad_x[t] = dz_kept @ w_ih.index_select(0, kept)
+                dz_t = dz_kept.t()
+                grad_w_hh.index_add_(0, kept, dz_t @ h_prev)
+                grad_w_ih.index_add_(0, kept, dz_t @ x[t])
+                grad_bias.index_add_(0, kept, dz_kept.sum(0))
+            else:
+                dh = dz @ w_hh
+        if not sparse:
+            flat_dz = dz_all.view(steps * batch, 4 * hidden)
+            grad_x = (flat_dz @ w_ih).view(x.shape)
+            grad_w_ih = flat_dz.t() @ x.reshape(steps * batch, -1)
+            h_prev_all = torch.cat([h0.unsqueeze(0), hs[:-1]]).view(steps * batch, hidden)
+            grad_w_hh = flat_dz.t() @ h_prev_all
+            grad_bias = flat_dz.sum(0)
+        grad_b = grad_bias if has_bias else None
+        return grad_x, dh, dc, grad_w_ih, grad_w_hh, grad_b, grad_b, None, None
+
+
+def sparse_backward_lstm_layer(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_ih: torch.Tensor,
+                               w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None,
+                               keep_ratio: float = 1.0, granularity: str = "coarse"):
+    """One LSTM layer, one direction, time-major ``x`` (T, B, I); returns ``(hs, h_T, c_T)``.
+
+    The forward is exact; the backward keeps ``keep_ratio`` of each gate's gradient columns.
+
+    Example::
+
+        >>> lstm = torch.nn.LSTM(8, 16)
+        >>> x, h0 = torch.randn(5, 3, 8), torch.zeros(3, 16)
+        >>> hs, h, c = sparse_backward_lstm_layer(x, h0, h0, lstm.weight_ih_l0, lstm.weight_hh_l0,
+        ...                                       lstm.bias_ih_l0, lstm.bias_hh_l0, keep_ratio=0.5)
+        >>> torch.allclose(hs, lstm(x)[0], atol=1e-6)
+        True
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if not 0.0 < keep_ratio <= 1.0:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
+    return _SparseBackwardLSTMLayer.apply(x.contiguous(), h0.contiguous(), c0.contiguous(), w_ih, w_hh, b_ih, b_hh,
+                                          keep_ratio, granularity)

@@ -1,0 +1,194 @@
+"""Sparse-backward LSTM: exact forward, nn.LSTM's gradients at keep-ratio 1, top-k columns, plan and module."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxapprox
+from fxapprox.modules import ApproxLSTM, SamplingSpec
+from fxapprox.ops.lstm import coarse_columns, fine_mask_, keep_count, sparse_backward_lstm_layer
+
+CONFIGS = [dict(), dict(num_layers=2), dict(bidirectional=True), dict(batch_first=True),
+           dict(num_layers=2, bidirectional=True, batch_first=True), dict(bias=False)]
+
+
+def _approx_lstm(lstm: nn.LSTM, keep_ratio: float, granularity: str = "coarse") -> ApproxLSTM:
+    k = keep_count(keep_ratio, lstm.hidden_size)
+    return ApproxLSTM.from_lstm(copy.deepcopy(lstm), SamplingSpec("topk", max(k, 1), lstm.hidden_size,
+                                                                  mode="backward"), granularity)
+
+
+def _run(module, x, hx):
+    out, (h, c) = module(x, hx)
+    loss = out.square().sum() + h.sum() * 0.5 + c.sum() * 0.25
+    params = [x] + list(module.parameters())
+    return out.detach(), torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("options", CONFIGS, ids=lambda o: ",".join(o) or "default")
+def test_keep_ratio_one_equals_nn_lstm(options):
+    torch.manual_seed(0)
+    lstm = nn.LSTM(6, 8, **options)
+    approx = _approx_lstm(lstm, 1.0)
+    approx.fxapprox_always_own = True   # our implementation's dense path, not nn.LSTM's kernel
+    directions = 2 if lstm.bidirectional else 1
+    x = torch.randn(3, 5, 6) if lstm.batch_first else torch.randn(5, 3, 6)
+    x.requires_grad_(True)
+    hx = (torch.randn(lstm.num_layers * directions, 3, 8), torch.randn(lstm.num_layers * directions, 3, 8))
+    ref_out, ref_grads = _run(lstm, x, hx)
+    out, grads = _run(approx, x, hx)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_sparse_gradients_are_the_dense_ones_restricted_to_kept_columns():
+    """One step: with k < H, dh_{t-1}, dx, dW equal the dense formulas applied to dZ with dropped columns zeroed."""
+    torch.manual_seed(1)
+    lstm = nn.LSTM(4, 8)
+    x = torch.randn(1, 3, 4, requires_grad=True)
+    h0 = torch.randn(3, 8, requires_grad=True)
+    c0 = torch.randn(3, 8, requires_grad=True)
+    weights = [lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0]
+    grad = torch.randn(1, 3, 8)
+    hs, _, _ = sparse_backward_lstm_layer(x, h0, c0, *weights, keep_ratio=0.5)
+    got = torch.autograd.grad((hs * grad).sum(), [x, h0] + weights[:2])
+    # Reference: the dense gate gradient dZ (autograd through the exact cell), then keep the top-4 per gate.
+    pre = x[0] @ weights[0].t() + weights[2] + h0 @ weights[1].t() + weights[3]
+    pre.retain_grad()
+    i, f, g, o = pre.chunk(4, 1)
+    c = torch.sigmoid(f) * c0 + torch.sigmoid(i) * torch.tanh(g)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    (h * grad[0]).sum().backward()
+    dz = pre.grad
+    kept = coarse_columns(dz, 4)
+    mask = torch.zeros(32)
+    mask[kept] = 1
+    dz_kept = dz * mask
+    want = [dz_kept @ weights[0], dz_kept @ weights[1], dz_kept.t() @ x[0].detach(), dz_kept.t() @ h0.detach()]
+    torch.testing.assert_close(got[0][0], want[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[3], want[3], atol=1e-5, rtol=0)
+
+
+def test_coarse_columns_are_each_gates_top_k_by_norm():
+    dz = torch.randn(16, 4 * 10)
+    kept = coarse_columns(dz, 3)
+    norms = dz.square().sum(0).view(4, 10)
+    for gate in range(4):
+        expected = set((norms[gate].topk(3).indices + 10 * gate).tolist())
+        assert expected == set(kept[(kept >= 10 * gate) & (kept < 10 * gate + 10)].tolist())
+    assert torch.equal(kept, kept.sort().values)
+
+
+def test_fine_mask_keeps_each_rows_top_k_per_gate():
+    dz = torch.randn(5, 4 * 6)
+    masked = fine_mask_(dz.clone(), 2).view(5, 4, 6)
+    assert torch.equal((masked != 0).sum(2), torch.full((5, 4), 2))
+    kept = dz.view(5, 4, 6).abs().topk(2, dim=2).values
+    assert torch.equal(masked.abs().sort(dim=2).values[..., -2:], kept.sort(dim=2).values)
+
+
+def test_fine_granularity_trains():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(6, 8)
+    approx = _approx_lstm(lstm, 0.5, "fine")
+    x = torch.randn(5, 3, 6, requires_grad=True)
+    _, grads = _run(approx, x, None)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_eval_state_dict_and_forward_equal_nn_lstm():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(6, 8, num_layers=2)
+    approx = _approx_lstm(lstm, 0.25)
+    assert list(approx.state_dict()) == list(lstm.state_dict())
+    x = torch.randn(7, 2, 6)
+    approx.train()
+    torch.testing.assert_close(approx(x)[0], lstm(x)[0], atol=1e-5, rtol=0)   # forward exact while training
+    approx.eval()
+    lstm.eval()
+    assert torch.equal(approx(x)[0], lstm(x)[0])
+    restored = nn.LSTM(6, 8, num_layers=2)
+    restored.load_state_dict(approx.state_dict())
+
+
+def test_unsupported_configurations_are_reported():
+    with pytest.raises(ValueError, match="proj_size"):
+        _approx_lstm(nn.LSTM(6, 8, proj_size=4), 0.5)
+
+    class Projected(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(6, 32, proj_size=4)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    approx = fxapprox.approximate(Projected(), 0.7, example_inputs=(torch.randn(5, 2, 6),))
+    assert "proj_size" in approx.plan.decision("lstm").reason
+    lstm = _approx_lstm(nn.LSTM(6, 8), 0.5)
+    packed = nn.utils.rnn.pack_sequence([torch.randn(4, 6), torch.randn(2, 6)])
+    with pytest.warns(RuntimeWarning, match="PackedSequence"):
+        lstm(packed)
+
+
+class CharLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 32)
+        self.lstm = nn.LSTM(32, 64)
+        self.decode = nn.Linear(64, 40)
+
+    def forward(self, x):
+        return self.decode(self.lstm(self.embed(x))[0])
+
+
+@pytest.mark.parametrize("budget, expected_ratio", [(2 / 3, 0.5), (0.5, 0.25)])
+def test_budget_maps_to_gate_keep_ratio(budget, expected_ratio):
+    config = fxapprox.ApproxConfig(overrides=(fxapprox.LayerOverride("decode", exclude=True),
+                                              fxapprox.LayerOverride("embed", exclude=True)))
+    model = CharLM()
+    x = torch.randint(0, 40, (20, 4))
+    approx = fxapprox.approximate(model, budget, example_inputs=(x,), config=config)
+    decision = approx.plan.decision("lstm")
+    assert decision.approximate and decision.mode == "backward" and decision.method == "topk"
+    # The decoder and embedding stay exact, so the LSTM alone must cut a little more than (3b - 1) / 2.
+    assert expected_ratio * 0.5 < decision.keep_ratio <= expected_ratio + 1e-9
+    assert approx.plan.budget_met
+    approx(x).sum().backward()
+    assert isinstance(approx.lstm, ApproxLSTM)
+    approx.set_approximate(False)
+    assert not approx.lstm.approximating
+
+
+def test_sparse_then_dense_schedule():
+    model = CharLM()
+    x = torch.randint(0, 40, (10, 2))
+    approx = fxapprox.approximate(model, 0.6, example_inputs=(x,))
+    schedule = fxapprox.SparseThenDense(approx, total_steps=8, sparse_fraction=0.75)
+    modes = [schedule.step() for _ in range(8)]
+    assert modes == [True] * 6 + [False] * 2
+    assert not approx.lstm.approximating
+    with pytest.raises(ValueError, match="sparse_fraction"):
+        fxapprox.SparseThenDense(approx, 8, sparse_fraction=1.5)
+    with pytest.raises(TypeError, match="approx"):
+        fxapprox.SparseThenDense(model, 8)
+
+
+def test_char_lstm_example_runs(tmp_path):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "char_lstm.py"
+    spec = importlib.util.spec_from_file_location("char_lstm", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    results = example.main(["--steps", "6", "--hidden", "32", "--eval-every", "3", "--corpus-bytes", "50000",
+                            "--batch", "4", "--seq", "16"])
+    assert set(results) == {"dense", "sparse", "mixed"}
+    first, last = results["dense"][0][2], results["dense"][-1][2]
+    assert last < first  # it learns something in 6 steps
