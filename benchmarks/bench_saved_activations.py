@@ -218,7 +218,6 @@ def main() -> None:
     if args.only_cap:
         caps = {name: _in_subprocess("cap", name, str(args.cap_gib), "16")["max_batch"] for name in ("exact", "4-bit")}
         print(caps, caps["4-bit"] / caps["exact"])
-        print(_in_subprocess("cap", "4-bit", str(args.cap_gib), "120"))
         return
     batch = 4 if args.quick else 16
     x, y = _batch(batch)

@@ -25,15 +25,24 @@ def _origins(out_h: int, out_w: int, stride, padding, device):
 class _CompactMaxPool2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, ceil_mode):
-        out, index = F.max_pool2d(x, kernel, stride, padding, 1, ceil_mode, return_indices=True)
-        width = x.shape[-1]
-        rows, cols = _origins(out.shape[-2], out.shape[-1], stride, padding, x.device)
-        # In place on max_pool2d's int64 index: offset = (row − row0)·kw + (col − col0).
-        in_row = torch.div(index, width, rounding_mode="floor")
-        index.sub_(in_row * width).sub_(cols)
-        offset = in_row.sub_(rows).mul_(kernel[1]).add_(index)
-        del index
-        ctx.save_for_backward(offset.to(torch.uint8))
+        outputs, offsets = [], []
+        # max_pool2d's int64 index is 8 bytes per output: pool a slice of the batch at a time so only
+        # one slice's index exists at once.
+        outputs_per_sample = max(1, x[0].numel() // (stride[0] * stride[1]))
+        step = max(1, (1 << 22) // outputs_per_sample)
+        for start in range(0, x.shape[0], step):
+            part = x[start:start + step]
+            out, index = F.max_pool2d(part, kernel, stride, padding, 1, ceil_mode, return_indices=True)
+            rows, cols = _origins(out.shape[-2], out.shape[-1], stride, padding, x.device)
+            # In place on the index: offset = (row − row0)·kw + (col − col0).
+            in_row = torch.div(index, part.shape[-1], rounding_mode="floor")
+            index.sub_(in_row * part.shape[-1]).sub_(cols)
+            offsets.append(in_row.sub_(rows).mul_(kernel[1]).add_(index).to(torch.uint8))
+            outputs.append(out)
+            del index, in_row
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        offset = offsets[0] if len(offsets) == 1 else torch.cat(offsets)
+        ctx.save_for_backward(offset)
         ctx.geometry = (x.shape, kernel, stride, padding)
         return out
 
