@@ -64,50 +64,15 @@ class SavedActivationStats:
         return self.exact_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
 
-class _LastUnpacked:
-    """The most recently rebuilt copy of one forward, kept only while another saver will ask for it.
-
-    A tensor saved by several nodes (a ReLU's result and the next conv's input)
-    is unpacked by each, close together in backward; rebuilding it once saves
-    a pass. Each copy counts its savers, so a rebuilt tensor is held exactly
-    until the last of them has it (holding every last tensor until the next
-    unpack measured 20% less batch under a memory cap).
-    """
-
-    __slots__ = ("copy", "tensor", "savers", "unpacked")
-
-    def __init__(self) -> None:
-        self.copy = self.tensor = None
-        self.savers: dict[int, int] = {}
-        self.unpacked: dict[int, int] = {}
-
-    def add_saver(self, copy: QuantizedTensor) -> None:
-        self.savers[id(copy)] = self.savers.get(id(copy), 0) + 1
-
-    def get(self, copy: QuantizedTensor) -> torch.Tensor:
-        key = id(copy)
-        self.unpacked[key] = self.unpacked.get(key, 0) + 1
-        more_to_come = self.unpacked[key] < self.savers.get(key, 0)
-        if self.copy is copy:
-            tensor = self.tensor
-        else:
-            self.copy = self.tensor = None  # let the previous one go before building the next
-            tensor = copy.dequantize()
-        self.copy, self.tensor = (copy, tensor) if more_to_come else (None, None)
-        return tensor
-
-
 class _Handle:
     """What the pack hook returns: a tensor kept as is, or a shared compressed copy."""
 
-    __slots__ = ("tensor", "copy", "shape", "last")
+    __slots__ = ("tensor", "copy", "shape")
 
-    def __init__(self, tensor: torch.Tensor | None, copy: QuantizedTensor | None, shape: torch.Size,
-                 last: _LastUnpacked) -> None:
+    def __init__(self, tensor: torch.Tensor | None, copy: QuantizedTensor | None, shape: torch.Size) -> None:
         self.tensor = tensor
         self.copy = copy
         self.shape = shape
-        self.last = last
 
     def unpack(self) -> torch.Tensor:
         if self.copy is None:
@@ -116,7 +81,10 @@ class _Handle:
             raise RuntimeError(
                 "fxapprox: double backward (create_graph=True) through activations saved compressed is not "
                 "supported; approximate the model with memory_budget=None for higher-order gradients")
-        return self.last.get(self.copy).view(self.shape)
+        # Rebuilt on every unpack and never cached: a tensor saved by several nodes is rebuilt for
+        # each, which costs a pass but keeps backward's peak low (holding rebuilt tensors for the
+        # next saver measured 20% less batch under a memory cap).
+        return self.copy.dequantize().view(self.shape)
 
 
 @dataclass(frozen=True)
@@ -134,7 +102,6 @@ class SavedTensorCompressor:
     def __init__(self, options: SavingOptions, state_storages: set[int]) -> None:
         self.options = options
         self.state_storages = state_storages
-        self._last = _LastUnpacked()
         self._tags: dict[int, tuple[StorageWeakRef, int, bool]] = {}
         self._pending: dict[int, list[tuple[_Handle, torch.Tensor]]] = {}
         self._copies: dict[tuple, tuple[StorageWeakRef, QuantizedTensor]] = {}
@@ -177,14 +144,14 @@ class SavedTensorCompressor:
     def pack(self, tensor: torch.Tensor):
         ptr = _storage_ptr(tensor)
         if ptr is None or ptr in self.state_storages or tensor.numel() == 0:
-            return _Handle(tensor, None, tensor.shape, self._last)
+            return _Handle(tensor, None, tensor.shape)
         key = self._key(tensor, ptr)
         seen = self._seen.get(key)
         if seen is None or seen.expired():
             self._seen[key] = StorageWeakRef(tensor.untyped_storage())
             self.exact_bytes += tensor.numel() * tensor.element_size()
             self._kept.pop(key, None)
-        handle = _Handle(tensor, None, tensor.shape, self._last)
+        handle = _Handle(tensor, None, tensor.shape)
         if tensor.dtype == torch.bool:
             self._compress_into(handle, tensor, ptr, 1, False)
             return handle
@@ -226,7 +193,6 @@ class SavedTensorCompressor:
             self.packed_bytes += copy.nbytes
             self.packed_tensors += 1
         handle.tensor, handle.copy = None, copy
-        self._last.add_saver(copy)
 
     # -- session ----------------------------------------------------------
     def stats(self) -> SavedActivationStats:
