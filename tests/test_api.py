@@ -212,14 +212,30 @@ def test_graph_module_input_is_used_as_is():
     assert isinstance(gm.fc2, nn.Linear) and not isinstance(gm.fc2, ApproxLinear)
 
 
-def test_lstm_stays_a_leaf_and_exact_with_reason():
+def test_lstm_stays_a_leaf_and_gets_a_sparse_backward():
     model = WithLSTM()
     x = torch.randn(4, 10, 32)
     approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
     lstm = approx.plan.decision("lstm")
-    assert not lstm.approximate and "recurrent" in lstm.reason
+    assert lstm.approximate and lstm.mode == "backward" and lstm.method == "topk"
     assert lstm.exact_flops > 0  # counted through our registered oneDNN RNN formula
-    assert type(approx.lstm) is nn.LSTM
+    assert lstm.planned_flops < lstm.exact_flops
+    assert type(approx.lstm).__name__ == "ApproxLSTM"
+    assert [n.op for n in approx.graph.nodes if n.target == "lstm"] == ["call_module"]
+
+
+def test_gru_stays_exact_with_reason():
+    class WithGRU(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = nn.GRU(32, 64)
+
+        def forward(self, x):
+            return self.gru(x)[0]
+
+    approx = fxapprox.approximate(WithGRU(), 0.5, example_inputs=(torch.randn(10, 4, 32),))
+    gru = approx.plan.decision("gru")
+    assert not gru.approximate and "recurrent" in gru.reason
     assert not approx.plan.budget_met and "not reachable" in approx.plan.note
 
 
