@@ -10,10 +10,10 @@ in the issue). Variants, all in the same run, interleaved, median of
 * ``budget 2/3`` and ``budget 0.5``: ``fxapprox.approximate(model, budget)``;
   the plan's gate keep-ratio is printed (≈0.5 and ≈0.25).
 
-Also reports the share of the step the per-step column selection, gathers and
-scatters take (by timing the backward with the GEMM operands pre-gathered is
-not possible without changing the code, so the profile's self-time of
-``index_select``/``index_add_``/``topk`` is shown instead).
+Also reports the training forward alone (same interleaving), so the step can be
+split into forward and backward, and the share of the step that the per-step
+column selection, gathers and scatters take (torch.profiler self time of
+``topk``, ``sort``, ``index_select`` and ``index_add_``).
 
 Usage: python benchmarks/bench_lstm.py [--repetitions 7] [--quick]
 """
@@ -80,14 +80,20 @@ def main() -> None:
         variants[label] = approx
         ratios[label] = approx.plan.decision("lstm").keep_ratio
     steps_fn = {name: _step(module, x, grad) for name, module in variants.items()}
-    times = interleaved_medians(steps_fn, 2 if args.quick else args.repetitions, warmup=2)
+    forward_fn = {name: (lambda module=module: module(x)) for name, module in variants.items()}
+    repetitions = 2 if args.quick else args.repetitions
+    times = interleaved_medians(steps_fn, repetitions, warmup=2)
+    forward_times = interleaved_medians(forward_fn, repetitions, warmup=1)
     base = times["nn.LSTM"]
     rows = []
     for name, seconds in times.items():
         share = _selection_share(steps_fn[name]) if ratios[name] < 1 else 0.0
-        rows.append([name, f"{ratios[name]:.3f}", f"{seconds * 1e3:.1f}", f"{base / seconds:.2f}×",
+        forward = forward_times[name]
+        rows.append([name, f"{ratios[name]:.3f}", f"{seconds * 1e3:.1f}", f"{forward * 1e3:.1f}",
+                     f"{(seconds - forward) * 1e3:.1f}", f"{base / seconds:.2f}×",
                      f"{share:.1%}" if ratios[name] < 1 else "-"])
-    headers = ["variant", "gate keep-ratio", "step ms", "speed vs nn.LSTM", "select+gather+scatter share"]
+    headers = ["variant", "gate keep-ratio", "step ms", "forward ms", "step − forward ms", "speed vs nn.LSTM",
+               "select+gather+scatter share"]
     title = f"LSTM {size}→{size}, T={steps}, batch {batch}, fp32, forward + backward"
     print_table(title, headers, rows)
     if not args.quick:

@@ -293,12 +293,11 @@ class ApproxLSTM(ApproxOp, nn.LSTM):
             for direction in range(directions):
                 suffix = f"_l{layer}" + ("_reverse" if direction else "")
                 index = layer * directions + direction
-                seq = x.flip(0) if direction else x
                 hs, h, c = sparse_backward_lstm_layer(
-                    seq, h0[index], c0[index], getattr(self, "weight_ih" + suffix), getattr(self, "weight_hh" + suffix),
+                    x, h0[index], c0[index], getattr(self, "weight_ih" + suffix), getattr(self, "weight_hh" + suffix),
                     getattr(self, "bias_ih" + suffix, None), getattr(self, "bias_hh" + suffix, None), keep,
-                    self.fxapprox_granularity)
-                outputs.append(hs.flip(0) if direction else hs)
+                    self.fxapprox_granularity, reverse=bool(direction))
+                outputs.append(hs)
                 h_n.append(h)
                 c_n.append(c)
             x = outputs[0] if directions == 1 else torch.cat(outputs, dim=2)

@@ -34,7 +34,8 @@ from fxapprox.ops._derived import note_derived, record_derivations
 from fxapprox.ops.quantize import FLOAT_DTYPES, QuantizedTensor, pack_mask, quantize
 
 
-def _storage_ptr(tensor: torch.Tensor) -> int | None:
+def storage_ptr(tensor: torch.Tensor) -> int | None:
+    """Address of ``tensor``'s storage (``None`` for mkldnn/sparse tensors, which have no plain storage)."""
     try:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
@@ -47,6 +48,15 @@ def _layout(tensor: torch.Tensor):
     if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
         return "nhwc"
     return (tuple(tensor.shape), tensor.stride())
+
+
+def tensor_key(tensor: torch.Tensor, ptr: int) -> tuple:
+    """What names one saved tensor: storage, offset, size, dtype, version and memory layout.
+
+    Views with the same storage, offset, size and layout share a key (``flatten`` of a
+    contiguous tensor), so they share one copy.
+    """
+    return (ptr, tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version, _layout(tensor))
 
 
 @dataclass(frozen=True)
@@ -103,7 +113,7 @@ class SavedTensorCompressor:
         self.options = options
         self.state_storages = state_storages
         self._tags: dict[int, tuple[StorageWeakRef, int, bool]] = {}
-        self._pending: dict[int, list[tuple[_Handle, torch.Tensor]]] = {}
+        self._pending: dict[int, list[tuple[_Handle, torch.Tensor, tuple, StorageWeakRef]]] = {}
         self._copies: dict[tuple, tuple[StorageWeakRef, QuantizedTensor]] = {}
         # Accounting. Keys name a tensor only while its storage lives (a freed address is reused),
         # so each entry keeps a weak reference and a dead entry counts as a new tensor.
@@ -118,16 +128,16 @@ class SavedTensorCompressor:
     def tag(self, value, bits: int, sign_exact: bool) -> None:
         if not isinstance(value, torch.Tensor):
             return
-        ptr = _storage_ptr(value)
+        ptr = storage_ptr(value)
         if ptr is None or ptr in self.state_storages:
             return
         self._tags[ptr] = (StorageWeakRef(value.untyped_storage()), bits, sign_exact)
-        for handle, tensor in self._pending.pop(ptr, ()):
-            self._compress_into(handle, tensor, ptr, bits, sign_exact)
+        for handle, tensor, key, storage in self._pending.pop(ptr, ()):
+            self._compress_into(handle, tensor, key, storage, bits, sign_exact)
 
     def tag_like(self, derived: torch.Tensor, source: torch.Tensor) -> None:
         """Give ``derived`` (e.g. the gathered columns a sampled op saves) the tag of ``source``."""
-        tag = self._live_tag(_storage_ptr(source))
+        tag = self._live_tag(storage_ptr(source))
         if tag is not None:
             self.tag(derived, tag[1], tag[2])
 
@@ -138,29 +148,26 @@ class SavedTensorCompressor:
         return tag
 
     # -- hooks ------------------------------------------------------------
-    def _key(self, tensor: torch.Tensor, ptr: int) -> tuple:
-        return (ptr, tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version, _layout(tensor))
-
     def pack(self, tensor: torch.Tensor):
-        ptr = _storage_ptr(tensor)
+        ptr = storage_ptr(tensor)
         if ptr is None or ptr in self.state_storages or tensor.numel() == 0:
             return _Handle(tensor, None, tensor.shape)
-        key = self._key(tensor, ptr)
+        key = tensor_key(tensor, ptr)
         seen = self._seen.get(key)
         if seen is None or seen.expired():
-            self._seen[key] = StorageWeakRef(tensor.untyped_storage())
+            seen = self._seen[key] = StorageWeakRef(tensor.untyped_storage())
             self.exact_bytes += tensor.numel() * tensor.element_size()
             self._kept.pop(key, None)
         handle = _Handle(tensor, None, tensor.shape)
         if tensor.dtype == torch.bool:
-            self._compress_into(handle, tensor, ptr, 1, False)
+            self._compress_into(handle, tensor, key, seen, 1, False)
             return handle
         tag = self._live_tag(ptr)
         if tag is None:
-            self._pending.setdefault(ptr, []).append((handle, tensor))
+            self._pending.setdefault(ptr, []).append((handle, tensor, key, seen))
             self._keep(key, tensor)
         else:
-            self._compress_into(handle, tensor, ptr, tag[1], tag[2])
+            self._compress_into(handle, tensor, key, seen, tag[1], tag[2])
         return handle
 
     def _keep(self, key: tuple, tensor: torch.Tensor) -> None:
@@ -172,8 +179,8 @@ class SavedTensorCompressor:
     def unpack(handle: _Handle) -> torch.Tensor:
         return handle.unpack()
 
-    def _compress_into(self, handle: _Handle, tensor: torch.Tensor, ptr: int, bits: int, sign_exact: bool) -> None:
-        key = self._key(tensor, ptr)
+    def _compress_into(self, handle: _Handle, tensor: torch.Tensor, key: tuple, storage: StorageWeakRef,
+                       bits: int, sign_exact: bool) -> None:
         if bits >= 16 or (tensor.dtype not in FLOAT_DTYPES and tensor.dtype != torch.bool):
             self._keep(key, tensor)
             return
@@ -189,7 +196,7 @@ class SavedTensorCompressor:
             else:
                 copy = quantize(tensor, bits, group_size=self.options.group_size, rounding=self.options.rounding,
                                 sign_exact=sign_exact, compiled=self.options.compiled)
-            self._copies[cache_key] = (StorageWeakRef(tensor.untyped_storage()), copy)
+            self._copies[cache_key] = (storage, copy)
             self.packed_bytes += copy.nbytes
             self.packed_tensors += 1
         handle.tensor, handle.copy = None, copy
@@ -227,7 +234,7 @@ torch.fx.node.has_side_effect(compress_saved)
 
 def state_storages(module: torch.nn.Module) -> set[int]:
     """Storage pointers of a module's parameters and buffers (kept as they are, not counted)."""
-    pointers = {_storage_ptr(t) for t in list(module.parameters()) + list(module.buffers())}
+    pointers = {storage_ptr(t) for t in list(module.parameters()) + list(module.buffers())}
     pointers.discard(None)
     return pointers
 
@@ -264,10 +271,9 @@ class count_saved_bytes:  # noqa: N801 — used like a function: ``with count_sa
         self._hooks = saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
-        ptr = _storage_ptr(tensor)
+        ptr = storage_ptr(tensor)
         if ptr is not None and ptr not in self._state:
-            key = (ptr, tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version, _layout(tensor))
-            self._seen[key] = tensor.numel() * tensor.element_size()
+            self._seen[tensor_key(tensor, ptr)] = tensor.numel() * tensor.element_size()
         return tensor
 
     @staticmethod
@@ -291,4 +297,5 @@ class count_saved_bytes:  # noqa: N801 — used like a function: ``with count_sa
 
 
 __all__ = ["SavedActivationStats", "SavedTensorCompressor", "SavingOptions", "compress_saved",
-           "compressing_saved_tensors", "count_saved_bytes", "note_derived", "record_derivations"]
+           "compressing_saved_tensors", "count_saved_bytes", "note_derived", "record_derivations", "state_storages",
+           "storage_ptr", "tensor_key"]

@@ -41,9 +41,7 @@ def compact_max_pools(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 continue
             x = node.args[0] if node.args else node.kwargs["input"]
             args = (x, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode)
-        elif node.op == "call_function" and node.target in (F.max_pool2d, torch.max_pool2d):
-            if node.target is torch.max_pool2d:
-                continue  # the aten-style overload has a different signature; leave it
+        elif node.op == "call_function" and node.target is F.max_pool2d:
             values = _functional_arguments(node)
             if not compactable(values.get("kernel_size"), values.get("dilation", 1),
                                values.get("return_indices", False)):

@@ -29,13 +29,8 @@ from torch.utils._pytree import tree_flatten
 from fxapprox.ops._derived import record_derivations
 from fxapprox.passes._isolation import NodeIsolationInterpreter
 from fxapprox.passes._meta import fx_meta
-
-
-def _storage_key(tensor: torch.Tensor):
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # mkldnn/sparse tensors have no plain storage
-        return None
+from fxapprox.saved_activations import state_storages
+from fxapprox.saved_activations import storage_ptr
 
 
 class SavedBytesInterpreter(NodeIsolationInterpreter):
@@ -43,18 +38,16 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
 
     def __init__(self, gm: torch.fx.GraphModule, progress: bool = False) -> None:
         super().__init__(gm, progress)
-        self._state_storages = {
-            _storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())
-        } - {None}
+        self._state_storages = state_storages(gm)
 
-    def _input_storages(self, node: torch.fx.Node) -> dict[int, tuple[str, int]]:
-        """Storage of each isolated tensor input → (the graph node it is, its version before running)."""
+    def _input_storages(self, node: torch.fx.Node) -> dict[int, tuple[str, int, torch.Tensor]]:
+        """Storage of each isolated tensor input → (the graph node it is, its version before running, it)."""
         arg_leaves = tree_flatten((node.args, node.kwargs))[0]
         value_leaves = tree_flatten(self.isolated_inputs)[0]
         storages = {}
         for arg, value in zip(arg_leaves, value_leaves):
             if isinstance(arg, torch.fx.Node) and isinstance(value, torch.Tensor):
-                storage = _storage_key(value)
+                storage = storage_ptr(value)
                 if storage is not None and storage not in self._state_storages:
                     storages.setdefault(storage, (arg.name, value._version, value))
         return storages
@@ -65,7 +58,7 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
         state_storages = self._state_storages
 
         def pack(tensor: torch.Tensor) -> int:
-            storage = _storage_key(tensor)
+            storage = storage_ptr(tensor)
             if storage not in state_storages:
                 key = (storage, tensor.storage_offset() if storage is not None else id(tensor),
                        tuple(tensor.shape), tensor.dtype)
@@ -78,21 +71,14 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
             raise RuntimeError("the saved-bytes pass never runs backward")
 
         def on_derived(copy: torch.Tensor, source: torch.Tensor) -> None:
-            copy_storage, source_storage = _storage_key(copy), _storage_key(source)
+            copy_storage, source_storage = storage_ptr(copy), storage_ptr(source)
             if copy_storage is not None and source_storage is not None:
                 derived[copy_storage] = source_storage
 
         inputs = self._input_storages(node)
-        outputs: list[torch.Tensor] = []
-
-        def run_and_keep():
-            result = run()
-            outputs.extend(t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor))
-            return result
-
         with saved_tensors_hooks(pack, unpack), record_derivations(on_derived):
-            run_and_keep()
-        output_storages = {_storage_key(t) for t in outputs} - {None}
+            outputs = [t for t in tree_flatten(run())[0] if isinstance(t, torch.Tensor)]
+        output_storages = {storage_ptr(t) for t in outputs} - {None}
 
         saved_from: dict[str, int] = {}
         saved_derived: dict[str, int] = {}
@@ -112,7 +98,7 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
                     internal_bool += size
         alias_of, inplace = None, False
         for output in outputs[:1]:
-            storage = _storage_key(output)
+            storage = storage_ptr(output)
             if storage in inputs:
                 alias_of = inputs[storage][0]
                 inplace = inputs[storage][2]._version != inputs[storage][1]

@@ -192,3 +192,21 @@ def test_char_lstm_example_runs(tmp_path):
     assert set(results) == {"dense", "sparse", "mixed"}
     first, last = results["dense"][0][2], results["dense"][-1][2]
     assert last < first  # it learns something in 6 steps
+
+
+def test_reverse_direction_equals_the_flipped_sequence():
+    torch.manual_seed(2)
+    lstm = nn.LSTM(4, 8)
+    weights = [lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0]
+    x = torch.randn(6, 3, 4, requires_grad=True)
+    h0, c0 = torch.randn(3, 8), torch.randn(3, 8)
+    grad = torch.randn(6, 3, 8)
+    hs, h, c = sparse_backward_lstm_layer(x, h0, c0, *weights, keep_ratio=0.5, reverse=True)
+    got = torch.autograd.grad((hs * grad).sum() + h.sum(), [x] + weights)
+    flipped = x.detach().flip(0).requires_grad_(True)
+    hs_f, h_f, _ = sparse_backward_lstm_layer(flipped, h0, c0, *weights, keep_ratio=0.5)
+    want = torch.autograd.grad((hs_f * grad.flip(0)).sum() + h_f.sum(), [flipped] + weights)
+    torch.testing.assert_close(hs, hs_f.flip(0))
+    torch.testing.assert_close(got[0], want[0].flip(0), atol=1e-5, rtol=0)
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

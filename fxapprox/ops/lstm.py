@@ -66,19 +66,23 @@ def fine_mask_(dz: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class _SparseBackwardLSTMLayer(torch.autograd.Function):
-    """One direction of one layer: ``x`` (T, B, I) → all hidden states (T, B, H), h_T, c_T."""
+    """One direction of one layer: ``x`` (T, B, I) → all hidden states (T, B, H), h_last, c_last.
+
+    ``reverse=True`` runs from the last step to the first (the backward direction of a
+    bidirectional LSTM) without copying ``x`` or the outputs into reversed order.
+    """
 
     @staticmethod
-    def forward(ctx, x, h0, c0, w_ih, w_hh, b_ih, b_hh, keep_ratio, granularity):
+    def forward(ctx, x, h0, c0, w_ih, w_hh, b_ih, b_hh, keep_ratio, granularity, reverse):
         steps, batch, _ = x.shape
         hidden = w_hh.shape[1]
         bias = None if b_ih is None else b_ih + b_hh
-        flat = x.reshape(steps * batch, -1)
-        gates = _linear(flat, w_ih, bias).view(steps, batch, 4 * hidden)
+        gates = _linear(x.reshape(steps * batch, -1), w_ih, bias).view(steps, batch, 4 * hidden)
         hs = x.new_empty(steps, batch, hidden)
         cs = x.new_empty(steps, batch, hidden)
+        tanh_cs = x.new_empty(steps, batch, hidden)   # kept for backward instead of recomputed there
         h, c = h0, c0
-        for t in range(steps):
+        for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
             z = gates[t]
             z.add_(_linear(h, w_hh, None))
             z[:, 2 * hidden:3 * hidden].mul_(2)
@@ -86,42 +90,45 @@ class _SparseBackwardLSTMLayer(torch.autograd.Function):
             z[:, 2 * hidden:3 * hidden].mul_(2).sub_(1)     # g = tanh(pre) = 2σ(2·pre) − 1
             i, f, g, o = z.split(hidden, dim=1)
             c = torch.addcmul(f * c, i, g, out=cs[t])
-            h = torch.mul(o, _tanh_(c.clone()), out=hs[t])
-        ctx.save_for_backward(x, h0, c0, w_ih, w_hh, gates, hs, cs)
-        ctx.options = (keep_ratio, granularity, b_ih is not None)
-        return hs, hs[-1].clone(), cs[-1].clone()
+            h = torch.mul(o, _tanh_(torch.mul(c, 1, out=tanh_cs[t])), out=hs[t])
+        ctx.save_for_backward(x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs)
+        ctx.options = (keep_ratio, granularity, b_ih is not None, reverse)
+        return hs, h.clone(), c.clone()
 
     @staticmethod
-    def backward(ctx, grad_hs, grad_hn, grad_cn):
-        x, h0, c0, w_ih, w_hh, gates, hs, cs = ctx.saved_tensors
-        keep_ratio, granularity, has_bias = ctx.options
+    def backward(ctx, grad_hs, grad_h_last, grad_c_last):
+        x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs = ctx.saved_tensors
+        keep_ratio, granularity, has_bias, reverse = ctx.options
         steps, batch, _ = x.shape
         hidden = w_hh.shape[1]
         k = keep_count(keep_ratio, hidden)
         sparse = granularity == "coarse" and k < hidden
-        dh = grad_hn.clone() if grad_hn is not None else x.new_zeros(batch, hidden)
-        dc = grad_cn.clone() if grad_cn is not None else x.new_zeros(batch, hidden)
+        dh = grad_h_last.clone() if grad_h_last is not None else x.new_zeros(batch, hidden)
+        dc = grad_c_last.clone() if grad_c_last is not None else x.new_zeros(batch, hidden)
+        first = steps - 1 if reverse else 0
+
+        def previous(states, initial, t):
+            return initial if t == first else states[t + 1 if reverse else t - 1]
+
         if sparse:
             grad_x = x.new_empty(x.shape)
             grad_w_ih = torch.zeros_like(w_ih)
             grad_w_hh = torch.zeros_like(w_hh)
             grad_bias = x.new_zeros(4 * hidden)
+            dz_buffer = x.new_empty(batch, 4 * hidden)
         else:
             dz_all = x.new_empty(steps, batch, 4 * hidden)
-        dz_buffer = x.new_empty(batch, 4 * hidden)
-        for t in range(steps - 1, -1, -1):
+        for t in (range(steps) if reverse else range(steps - 1, -1, -1)):
             if grad_hs is not None:
                 dh = dh + grad_hs[t]
             i, f, g, o = gates[t].split(hidden, dim=1)
-            c_prev = cs[t - 1] if t else c0
-            h_prev = hs[t - 1] if t else h0
-            tanh_c = _tanh_(cs[t].clone())
-            dz = dz_all[t] if not sparse else dz_buffer
+            tanh_c = tanh_cs[t]
+            dz = dz_buffer if sparse else dz_all[t]
             di, df, dg, do = dz.split(hidden, dim=1)
             torch.mul(dh, tanh_c, out=do)
             dc = dc + dh * o * (1 - tanh_c * tanh_c)
             torch.mul(dc, g, out=di)
-            torch.mul(dc, c_prev, out=df)
+            torch.mul(dc, previous(cs, c0, t), out=df)
             torch.mul(dc, i, out=dg)
             dc = dc * f
             di.mul_(i * (1 - i))
@@ -136,7 +143,7 @@ class _SparseBackwardLSTMLayer(torch.autograd.Function):
                 dh = _linear(dz_kept, w_hh.index_select(0, kept).t(), None)
                 grad_x[t] = _linear(dz_kept, w_ih.index_select(0, kept).t(), None)
                 dz_t = dz_kept.t()
-                grad_w_hh.index_add_(0, kept, dz_t @ h_prev)
+                grad_w_hh.index_add_(0, kept, dz_t @ previous(hs, h0, t))
                 grad_w_ih.index_add_(0, kept, dz_t @ x[t])
                 grad_bias.index_add_(0, kept, dz_kept.sum(0))
             else:
@@ -145,17 +152,18 @@ class _SparseBackwardLSTMLayer(torch.autograd.Function):
             flat_dz = dz_all.view(steps * batch, 4 * hidden)
             grad_x = (flat_dz @ w_ih).view(x.shape)
             grad_w_ih = flat_dz.t() @ x.reshape(steps * batch, -1)
-            h_prev_all = torch.cat([h0.unsqueeze(0), hs[:-1]]).view(steps * batch, hidden)
-            grad_w_hh = flat_dz.t() @ h_prev_all
+            h_prev = torch.cat([hs[1:], h0.unsqueeze(0)]) if reverse else torch.cat([h0.unsqueeze(0), hs[:-1]])
+            grad_w_hh = flat_dz.t() @ h_prev.view(steps * batch, hidden)
             grad_bias = flat_dz.sum(0)
-        grad_b = grad_bias if has_bias else None
-        return grad_x, dh, dc, grad_w_ih, grad_w_hh, grad_b, grad_b, None, None
+        # Two tensors, not one: autograd may keep a returned gradient as a parameter's .grad.
+        grads_b = (grad_bias, grad_bias.clone()) if has_bias else (None, None)
+        return grad_x, dh, dc, grad_w_ih, grad_w_hh, *grads_b, None, None, None
 
 
 def sparse_backward_lstm_layer(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_ih: torch.Tensor,
                                w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None,
-                               keep_ratio: float = 1.0, granularity: str = "coarse"):
-    """One LSTM layer, one direction, time-major ``x`` (T, B, I); returns ``(hs, h_T, c_T)``.
+                               keep_ratio: float = 1.0, granularity: str = "coarse", reverse: bool = False):
+    """One LSTM layer, one direction, time-major ``x`` (T, B, I); returns ``(hs, h_last, c_last)``.
 
     The forward is exact; the backward keeps ``keep_ratio`` of each gate's gradient columns.
 
@@ -173,4 +181,4 @@ def sparse_backward_lstm_layer(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tens
     if not 0.0 < keep_ratio <= 1.0:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
     return _SparseBackwardLSTMLayer.apply(x.contiguous(), h0.contiguous(), c0.contiguous(), w_ih, w_hh, b_ih, b_hh,
-                                          keep_ratio, granularity)
+                                          keep_ratio, granularity, reverse)

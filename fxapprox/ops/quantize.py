@@ -39,8 +39,6 @@ from dataclasses import dataclass
 
 import torch
 
-#: bit widths a saved activation can be stored at (32 means "as is")
-BITS = (1, 2, 4, 8)
 ROUNDINGS = ("stochastic", "nearest")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -257,15 +255,18 @@ def quantize(tensor: torch.Tensor, bits: int, *, group_size: int = 256, rounding
         raise TypeError(f"quantize needs a floating-point tensor, got {tensor.dtype}")
     flat, channels_last = _memory_order_flat(tensor.detach())
     numel = flat.numel()
-    n_groups = max(1, math.ceil(numel / group_size))
+    full = numel // group_size
+    blocks = [flat[:full * group_size].view(full, group_size)] if full else []
     if numel % group_size or numel == 0:
-        # The tail group is padded with its own last value so it does not widen the range.
-        pad_value = flat[-1:] if numel else torch.zeros(1, dtype=flat.dtype, device=flat.device)
-        flat = torch.cat([flat, pad_value.expand(n_groups * group_size - numel)])
-    groups = flat.view(n_groups, group_size)
-    row_noise = torch.rand(n_groups, device=tensor.device, generator=generator)
-    packed, lo_b, scale_b = _run("encode", compiled, groups, _column_noise(group_size, tensor.device), row_noise,
-                                 bits, rounding == "stochastic", sign_exact)
+        # Only the tail group is copied, padded with its own last value so it does not widen the range.
+        tail = flat[full * group_size:]
+        pad_value = tail[-1:] if numel else torch.zeros(1, dtype=flat.dtype, device=flat.device)
+        blocks.append(torch.cat([tail, pad_value.expand(group_size - tail.numel())]).view(1, group_size))
+    column_noise = _column_noise(group_size, tensor.device)
+    parts = [_run("encode", compiled, block, column_noise,
+                  torch.rand(block.shape[0], device=tensor.device, generator=generator),
+                  bits, rounding == "stochastic", sign_exact) for block in blocks]
+    packed, lo_b, scale_b = parts[0] if len(parts) == 1 else (torch.cat(p) for p in zip(*parts))
     return QuantizedTensor(packed, lo_b, scale_b, bits, numel, tensor.shape, tensor.dtype, channels_last,
                            sign_exact, compiled)
 
@@ -278,4 +279,4 @@ def quantized_nbytes(numel: int, bits: int, group_size: int = 256) -> int:
     return n_groups * (group_size * bits // 8 + 4)
 
 
-__all__ = ["BITS", "QuantizedTensor", "ROUNDINGS", "pack_mask", "quantize", "quantized_nbytes"]
+__all__ = ["QuantizedTensor", "ROUNDINGS", "pack_mask", "quantize", "quantized_nbytes"]
