@@ -15,9 +15,9 @@ Sections (all in one run, written to BENCHMARKS.md):
 * **largest batch under a memory cap** — in a fresh subprocess per variant,
   the address space is capped at (current size + ``--cap-gib``) after warm-up,
   then the batch is grown until a step fails to allocate, and bisected.
-* **gradient fidelity** — per-parameter cosine similarity of the weight
-  gradients vs exact on one fixed batch, for a small CNN on scikit-learn-free
-  random digits-sized data and for ResNet-50.
+* **gradient fidelity** — per-parameter cosine similarity of the gradients vs
+  exact on one fixed random batch, for a small CNN on digits-sized inputs
+  (64×1×8×8) and for ResNet-50.
 
 Usage: python benchmarks/bench_saved_activations.py [--repetitions 7] [--quick]
 """
@@ -99,7 +99,7 @@ def child_rss(variant: str, batch: int, steps: int) -> dict:
     step()  # warm-up: compiles the packer, allocates gradients and optimizer state
     growths = []
     for _ in range(steps):
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated: the growth is activations + temporaries
         gc.collect()
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
