@@ -9,6 +9,7 @@ Example::
     >>> fxapprox.export(approx, "out/resnet18")
 """
 
+from fxapprox import distributed
 from fxapprox.api import ApproxGraphModule, analyse, approximate
 from fxapprox.calibration import recalibrate_bn
 from fxapprox.config import ApproxConfig, LayerOverride
@@ -24,5 +25,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AnalysisError", "ApproxConfig", "ApproxGraphModule", "FxApproxError", "LayerDecision", "LayerOverride", "Plan",
     "PlanNotReadyError", "Report", "SavedActivationStats", "SparseThenDense", "TraceError", "analyse", "approximate",
-    "count_saved_bytes", "export", "recalibrate_bn",
+    "count_saved_bytes", "distributed", "export", "recalibrate_bn",
 ]

@@ -63,6 +63,8 @@ class ApproxOp:
 
     fxapprox_spec: SamplingSpec
     fxapprox_enabled: bool
+    #: set by :func:`fxapprox.distributed.register_sampled_allreduce`: picks pairs identically on every rank
+    fxapprox_sync = None
 
     def _init_approx(self, spec: SamplingSpec) -> None:
         self.fxapprox_spec = spec
@@ -120,6 +122,8 @@ class ApproxLinear(ApproxOp, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.approximating:
             return F.linear(x, self.weight, self.bias)
+        if self.fxapprox_sync is not None:
+            return self.fxapprox_sync.linear(self, x)
         return _linear(self.fxapprox_spec, x, self.weight, self.bias)
 
     def pair_scores(self, x):
@@ -162,6 +166,8 @@ class ApproxConv2d(ApproxOp, nn.Conv2d):
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = (0, 0)
+        if self.fxapprox_sync is not None:
+            return self.fxapprox_sync.conv2d(self, x, padding)
         return _conv2d(self.fxapprox_spec, x, self.weight, self.bias, self.stride, padding, self.dilation)
 
     def pair_scores(self, x):

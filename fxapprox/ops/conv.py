@@ -113,6 +113,13 @@ def sampled_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return _SampledConv2dFunction.apply(x, weight, bias, kept, scale, stride, padding, dilation)
 
 
+def conv2d_with_channels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kept: torch.Tensor,
+                         scale: torch.Tensor | None, stride=1, padding=0, dilation=1) -> torch.Tensor:
+    """Forward-sampled ``F.conv2d`` on input channels chosen by the caller (``kept`` sorted)."""
+    _check(x, weight)
+    return _SampledConv2dFunction.apply(x, weight, bias, kept, scale, _pair(stride), _pair(padding), _pair(dilation))
+
+
 class _BackwardSampledConv2dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, conv_args, keep_ratio, method, random_share):

@@ -120,6 +120,17 @@ def sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.reshape(*lead_shape, weight.shape[0])
 
 
+def linear_with_pairs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kept: torch.Tensor,
+                      scale: torch.Tensor | None) -> torch.Tensor:
+    """Forward-sampled ``F.linear`` on pairs chosen by the caller (``kept`` sorted, ``scale`` or ``None``).
+
+    Used where the choice must not depend on the local batch (the DDP hook picks from weights only).
+    """
+    in_features = _check(x, weight)
+    out = _SampledLinearFunction.apply(x.reshape(-1, in_features), weight, bias, kept, scale)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _keep_count(ratio: float, n: int) -> int:
     return max(1, min(n, round(ratio * n)))
 

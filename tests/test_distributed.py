@@ -1,0 +1,175 @@
+"""Sampled-gradient AllReduce: two gloo processes on 127.0.0.1, different data per rank."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import fxapprox
+from fxapprox.distributed import register_sampled_allreduce
+
+WORLD = 2
+STEPS = 12
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2))
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+def _batches(rank: int, shape: tuple, teacher: nn.Module, count: int = 3):
+    generator = torch.Generator().manual_seed(100 + rank)   # different data on every rank
+    batches = []
+    for _ in range(count):
+        x = torch.randn(*shape, generator=generator)
+        with torch.no_grad():
+            y = teacher(x).argmax(1)
+        batches.append((x, y))
+    return batches
+
+
+def _flat_grads(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+
+
+def _train(rank: int, model: nn.Module, shape: tuple) -> dict:
+    torch.manual_seed(0)
+    teacher = copy.deepcopy(model)
+    example = torch.randn(*shape)
+    approx = fxapprox.approximate(model, budget=0.5, example_inputs=(example,))
+    ddp = DistributedDataParallel(approx)
+    state = register_sampled_allreduce(ddp)
+    batches = _batches(rank, shape, teacher)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    losses, grad_error = [], None
+    for step in range(STEPS):
+        x, y = batches[step % len(batches)]
+        if step == 0:   # the hook's result must be the average of the local (sparse) gradients
+            local = copy.deepcopy(approx)
+            nn.functional.cross_entropy(local(x), y).backward()
+            local_grads = _flat_grads(local)
+            dist.all_reduce(local_grads)
+            expected = local_grads / WORLD
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        if step == 0:
+            grad_error = float((_flat_grads(approx) - expected).abs().max())
+        optimizer.step()
+        losses.append(loss.item())
+    params = torch.cat([p.detach().reshape(-1) for p in approx.parameters()])
+    gathered = [torch.empty_like(params) for _ in range(WORLD)]
+    dist.all_gather(gathered, params)
+    sampled_layers = len(state.sampled)
+    return {"losses": losses, "bytes_sent": state.bytes_sent, "bytes_dense": state.bytes_dense,
+            "identical": all(torch.equal(gathered[0], g) for g in gathered[1:]), "grad_error": grad_error,
+            "sampled_layers": sampled_layers}
+
+
+def _errors(rank: int) -> dict:
+    outcome = {}
+    plain = DistributedDataParallel(_mlp())
+    try:
+        register_sampled_allreduce(plain)
+    except TypeError as error:
+        outcome["not_approximated"] = str(error)
+    try:
+        register_sampled_allreduce(_mlp())
+    except TypeError as error:
+        outcome["not_ddp"] = str(error)
+    torch.manual_seed(0)
+    example = torch.randn(16, 64)
+    budget = 0.5 if rank == 0 else 0.25   # rank-dependent plans: refused on every rank
+    ddp = DistributedDataParallel(fxapprox.approximate(_mlp(), budget=budget, example_inputs=(example,)))
+    try:
+        register_sampled_allreduce(ddp)
+    except ValueError as error:
+        outcome["plans_differ"] = str(error)
+    unused = DistributedDataParallel(fxapprox.approximate(_mlp(), budget=0.5, example_inputs=(example,)),
+                                     find_unused_parameters=True)
+    try:
+        register_sampled_allreduce(unused)
+    except ValueError as error:
+        outcome["find_unused"] = str(error)
+    return outcome
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        results = {"mlp": _train(rank, _mlp(), (32, 64))}
+        torch.manual_seed(0)
+        results["cnn"] = _train(rank, SmallCNN(), (8, 3, 16, 16))
+        results["errors"] = _errors(rank)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_replicas_stay_identical_and_learn(results, model):
+    for rank_result in results:
+        run = rank_result[model]
+        assert run["sampled_layers"] >= 2
+        assert run["identical"], "parameters differ between ranks"
+        first, last = sum(run["losses"][:3]) / 3, sum(run["losses"][-3:]) / 3
+        assert last < 0.85 * first, run["losses"]
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_sends_at_most_60_percent_at_budget_half(results, model):
+    for rank_result in results:
+        run = rank_result[model]
+        assert run["bytes_dense"] > 0
+        assert run["bytes_sent"] <= 0.6 * run["bytes_dense"], run
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_hook_result_is_the_average_of_local_gradients(results, model):
+    for rank_result in results:
+        assert rank_result[model]["grad_error"] < 1e-5
+
+
+def test_clear_errors(results):
+    for rank_result in results:
+        errors = rank_result["errors"]
+        assert "fxapprox.approximate" in errors["not_approximated"]
+        assert "DistributedDataParallel" in errors["not_ddp"]
+        assert "plans differ" in errors["plans_differ"] and "[0]" in errors["plans_differ"]
+        assert "find_unused_parameters" in errors["find_unused"]
