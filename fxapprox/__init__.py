@@ -11,6 +11,7 @@ Example::
 
 from fxapprox import distributed
 from fxapprox.api import ApproxGraphModule, analyse, approximate
+from fxapprox.bench import BenchResult, LayerFidelity, bench
 from fxapprox.calibration import recalibrate_bn
 from fxapprox.config import ApproxConfig, LayerOverride
 from fxapprox.errors import AnalysisError, FxApproxError, PlanNotReadyError, TraceError
@@ -23,7 +24,8 @@ from fxapprox.schedule import SparseThenDense
 __version__ = "0.1.0"
 
 __all__ = [
-    "AnalysisError", "ApproxConfig", "ApproxGraphModule", "FxApproxError", "LayerDecision", "LayerOverride", "Plan",
-    "PlanNotReadyError", "Report", "SavedActivationStats", "SparseThenDense", "TraceError", "analyse", "approximate",
-    "count_saved_bytes", "distributed", "export", "recalibrate_bn",
+    "AnalysisError", "ApproxConfig", "ApproxGraphModule", "BenchResult", "FxApproxError", "LayerDecision",
+    "LayerFidelity", "LayerOverride", "Plan", "PlanNotReadyError", "Report", "SavedActivationStats",
+    "SparseThenDense", "TraceError", "analyse", "approximate", "bench", "count_saved_bytes", "distributed",
+    "export", "recalibrate_bn",
 ]

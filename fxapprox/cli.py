@@ -1,4 +1,4 @@
-"""Command line: ``fxapprox report MODEL ...`` and ``fxapprox export MODEL -o DIR ...``.
+"""Command line: ``fxapprox report MODEL ...``, ``fxapprox export MODEL -o DIR ...`` and ``fxapprox bench MODEL ...``.
 
 MODEL is ``torchvision:NAME`` (randomly initialised, no download) or
 ``package.module:callable`` (called with no arguments, must return an
@@ -83,22 +83,37 @@ def _parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="plan a model and write the transformed graph to a directory")
     common(export)
     export.add_argument("-o", "--output", required=True, help="directory to write into")
+    bench = commands.add_parser("bench", help="time exact vs approximated train steps; gradient fidelity per layer")
+    common(bench)
+    bench.add_argument("--steps", type=int, default=10, help="timed train steps of each model (10)")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser
 
 
-def _approximate(args, progress: bool):
-    import fxapprox
-    from fxapprox._validate import check_choice, check_fraction
+def _checked_arguments(args) -> tuple[tuple[int, ...], float, float | None]:
+    """Shape, budget and memory budget, validated before the model is built (bad arguments fail fast)."""
+    from fxapprox._validate import check_choice, check_fraction, check_int
     from fxapprox.ops.sampling import METHODS
 
     shape = parse_shape(args.input_shape)
-    try:  # before building the model: bad arguments fail fast
+    try:
         budget = check_fraction("budget", _parse_budget(args.budget))
         memory_budget = None if args.memory_budget is None else check_fraction(
             "memory_budget", _parse_budget(args.memory_budget, "--memory-budget"))
         check_choice("method", args.method, METHODS)
+        if args.command == "bench":
+            check_int("steps", args.steps, minimum=1)
+            check_int("warmup", args.warmup, minimum=0)
     except (TypeError, ValueError) as error:
         raise CliError(str(error)) from None
+    return shape, budget, memory_budget
+
+
+def _approximate(args, progress: bool):
+    import fxapprox
+
+    shape, budget, memory_budget = _checked_arguments(args)
     torch.manual_seed(args.seed)
     model = load_model(args.model)
     example = torch.randn(shape)
@@ -109,10 +124,28 @@ def _approximate(args, progress: bool):
         raise CliError(str(error)) from None
 
 
+def _bench(args) -> None:
+    import fxapprox
+
+    shape, budget, memory_budget = _checked_arguments(args)
+    torch.manual_seed(args.seed)
+    model = load_model(args.model)
+    example = torch.randn(shape)
+    result = fxapprox.bench(model, (example,), budget=budget, memory_budget=memory_budget, steps=args.steps,
+                            warmup=args.warmup, method=args.method,
+                            progress=not args.json and sys.stderr.isatty())
+    if args.json:
+        print(result.to_json())
+    else:
+        result.show()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "report":
+        if args.command == "bench":
+            _bench(args)
+        elif args.command == "report":
             approx = _approximate(args, progress=not args.json and sys.stderr.isatty())
             if args.json:
                 print(json.dumps(approx.report.to_dict(), indent=1))

@@ -16,7 +16,9 @@ from torch import nn
 
 from fxapprox.ops.pooling import compact_max_pool2d, compactable
 
-_MAX_POOL_PARAMS = list(inspect.signature(F.max_pool2d).parameters)[1:]
+# ``F.max_pool2d`` is a ``boolean_dispatch`` wrapper whose signature is ``(*args, **kwargs)``; the
+# parameter names are those of the function it dispatches to.
+_MAX_POOL_PARAMS = list(inspect.signature(F.max_pool2d_with_indices).parameters)[1:]
 
 
 def _functional_arguments(node: torch.fx.Node) -> dict:

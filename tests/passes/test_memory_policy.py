@@ -150,3 +150,16 @@ def test_config_validation_names_the_argument():
         ApproxConfig(activation_compile="yes")
     with pytest.raises(ValueError, match="memory_budget"):
         fxapprox.approximate(Block(), memory_budget=1.5)
+
+
+class FunctionalPool(nn.Module):
+    def forward(self, x):
+        return F.max_pool2d(torch.relu(x), 2)   # kernel size positional: traced as (x, 2) plus kwargs
+
+
+def test_functional_max_pool_with_positional_kernel_is_compacted():
+    gm = compact_max_pools(torch.fx.symbolic_trace(FunctionalPool()))
+    targets = [node.target for node in gm.graph.nodes if node.op == "call_function"]
+    assert compact_max_pool2d in targets
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    torch.testing.assert_close(gm(x), FunctionalPool()(x))

@@ -1,0 +1,102 @@
+"""fxapprox.bench and `fxapprox bench`: fields, fidelity at budget 1.0 and below it, validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fxapprox
+from fxapprox.cli import main
+
+FIELDS = {"exact_step_s", "approx_step_s", "speedup", "exact_mem_mib", "approx_mem_mib", "memory_ratio",
+          "flops_planned", "flops_executed", "layers"}
+LAYER_FIELDS = {"name", "method", "keep_ratio", "grad_cosine", "grad_rel_error"}
+
+
+class TinyCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc = nn.Linear(64 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv2(torch.relu(self.conv1(x)))).flatten(1))
+
+
+def tiny_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyCNN()
+
+
+@pytest.fixture
+def inputs():
+    return torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+
+def test_budget_one_is_exact(inputs):
+    result = fxapprox.bench(tiny_cnn(), inputs, budget=1.0, steps=2, warmup=0, progress=False)
+    assert {layer.name for layer in result.layers} == {"conv1", "conv2", "fc"}
+    for layer in result.layers:
+        assert layer.method == "exact" and layer.keep_ratio == 1.0
+        assert layer.grad_cosine == pytest.approx(1.0, abs=1e-9)
+        assert layer.grad_rel_error == pytest.approx(0.0, abs=1e-9)
+    assert result.flops_executed == result.flops_exact == result.flops_planned
+
+
+def test_approximating_moves_gradients_and_halves_flops(inputs):
+    result = fxapprox.bench(tiny_cnn(), inputs, budget=0.5, steps=2, warmup=0, progress=False)
+    sampled = [layer for layer in result.layers if layer.method != "exact"]
+    assert sampled and all(layer.keep_ratio < 1 for layer in sampled)
+    assert all(layer.grad_cosine < 1.0 - 1e-6 and layer.grad_rel_error > 1e-6 for layer in sampled)
+    # executed FLOPs are counted on the real approximated step, not copied from the plan
+    assert result.flops_executed < 0.6 * result.flops_exact
+    assert result.flops_executed == pytest.approx(result.flops_planned, rel=0.02)
+
+
+def test_memory_budget_compresses_saved_activations():
+    torch.manual_seed(0)
+    big = torch.randn(64, 3, 16, 16)   # activations above the 64 KiB compression threshold
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+    result = fxapprox.bench(model, big, budget=1.0, memory_budget=0.25, steps=1, warmup=0, progress=False)
+    assert result.memory_ratio > 2.5
+    assert result.exact_mem_mib > result.approx_mem_mib > 0
+
+
+def test_model_is_not_modified(inputs):
+    model = tiny_cnn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fxapprox.bench(model, inputs, budget=0.5, steps=1, warmup=0, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kwargs, message", [({"budget": 0.0}, "budget"), ({"steps": 0}, "steps"),
+                                             ({"memory_budget": 2.0}, "memory_budget"),
+                                             ({"fidelity_samples": 0}, "fidelity_samples")])
+def test_bad_arguments_name_themselves(inputs, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fxapprox.bench(tiny_cnn(), inputs, progress=False, **kwargs)
+
+
+def test_cli_json_has_every_field(capsys):
+    code = main(["bench", "tests.test_bench:tiny_cnn", "--input-shape", "16,3,8,8", "--steps", "2", "--warmup",
+                 "0", "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert FIELDS <= set(data)
+    assert data["layers"] and all(LAYER_FIELDS <= set(layer) for layer in data["layers"])
+    assert data["speedup"] == pytest.approx(data["exact_step_s"] / data["approx_step_s"])
+
+
+def test_cli_table_and_bad_steps(capsys):
+    assert main(["bench", "tests.test_bench:tiny_cnn", "--input-shape", "16,3,8,8", "--steps", "1",
+                 "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "train step" in out and "conv2" in out
+    assert main(["bench", "tests.test_bench:tiny_cnn", "--input-shape", "16,3,8,8", "--steps", "0"]) == 2
+    assert "steps" in capsys.readouterr().err
