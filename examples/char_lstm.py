@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
+from fxapprox.plotting import save_curves
 
 
 def load_corpus(max_bytes: int) -> str:
@@ -144,23 +145,10 @@ def main(argv=None) -> dict:
         print(f"| {label} | {loss:.4f} | {loss / dense_loss - 1:+.1%} | {seconds:.1f} | {seconds / dense_time:.2f}× | "
               f"{math.exp(loss):.2f} |")
     if args.plot:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no plot (pip install matplotlib)")
-        else:
-            fig, ax = plt.subplots(figsize=(6, 4))
-            for label, curve in results.items():
-                ax.plot([c[0] for c in curve], [c[2] for c in curve], marker="o", markersize=3, label=label)
-            ax.set_xlabel("training wall-clock (s)")
-            ax.set_ylabel("validation loss (nats/char)")
-            ax.set_title(f"char-LSTM on CPython stdlib, budget {args.budget:.2f}")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(args.plot, dpi=120)
-            print(f"wrote {args.plot}")
+        save_curves(args.plot, {label: ([c[0] for c in curve], [c[2] for c in curve])
+                                for label, curve in results.items()},
+                    xlabel="training wall-clock (s)", ylabel="validation loss (nats/char)",
+                    title=f"char-LSTM on CPython stdlib, budget {args.budget:.2f}", marker="o")
     return results
 
 

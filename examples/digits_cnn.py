@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
+from fxapprox.plotting import save_curves
 
 CONFIGS = {"exact": {}, "budget 0.5": {"budget": 0.5}, "memory_budget 0.125": {"memory_budget": 0.125},
            "both": {"budget": 0.5, "memory_budget": 0.125}}
@@ -100,26 +101,11 @@ def main(argv=None) -> dict:
         print(f"{name:22s} test accuracy {statistics.mean(finals):.4f} ± {spread:.4f}   "
               f"wall {statistics.mean(results[name]['seconds']):.1f} s/run")
     if args.plot:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no plot (pip install 'fxapprox[plots]')")
-            return results
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        for name, result in results.items():
-            mean = [statistics.mean(values) for values in zip(*result["curves"])]
-            ax.plot(range(1, len(mean) + 1), mean, label=name)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(f"test accuracy (mean of {args.seeds} seeds)")
-        ax.set_title("Small CNN on scikit-learn digits")
-        ax.set_ylim(0.8, 1.0)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}")
+        means = {name: [statistics.mean(values) for values in zip(*result["curves"])]
+                 for name, result in results.items()}
+        save_curves(args.plot, {name: (list(range(1, len(mean) + 1)), mean) for name, mean in means.items()},
+                    xlabel="epoch", ylabel=f"test accuracy (mean of {args.seeds} seeds)",
+                    title="Small CNN on scikit-learn digits", ylim=(0.8, 1.0))
     return results
 
 
