@@ -15,8 +15,8 @@ from rich.table import Table
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 
 
-def interleaved_medians(steps: dict, repetitions: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds of each callable in ``steps``, run round-robin so drift hits all alike."""
+def interleaved_samples(steps: dict, repetitions: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of each callable in ``steps`` per round, run round-robin so drift hits all alike."""
     for _ in range(warmup):
         for step in steps.values():
             step()
@@ -26,7 +26,19 @@ def interleaved_medians(steps: dict, repetitions: int, warmup: int = 2) -> dict[
             start = time.perf_counter()
             step()
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
+
+
+def interleaved_medians(steps: dict, repetitions: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of each callable in ``steps``, run round-robin so drift hits all alike."""
+    return {name: statistics.median(values)
+            for name, values in interleaved_samples(steps, repetitions, warmup).items()}
+
+
+def paired_ratio(samples: dict[str, list[float]], base: str, name: str) -> float:
+    """Median over rounds of ``base``'s time / ``name``'s time in the same round: steadier than a ratio of
+    medians when the machine's speed drifts between rounds."""
+    return statistics.median(b / v for b, v in zip(samples[base], samples[name]))
 
 
 def machine_line() -> str:

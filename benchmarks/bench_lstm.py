@@ -3,7 +3,8 @@
 Single-layer LSTM 512→512, T=50, batch 64, fp32; a train step is forward +
 backward of ``(output · G).sum()`` for a fixed random ``G`` (no optimizer, as
 in the issue). Variants, all in the same run, interleaved, median of
-``--repetitions`` after warm-up:
+``--repetitions`` after warm-up, plus the median over rounds of nn.LSTM's time / the
+variant's time in the same round (steadier when the machine's speed drifts):
 
 * ``nn.LSTM`` itself (oneDNN kernel);
 * ``fxapprox dense path``: our implementation at keep-ratio 1 (``fxapprox_always_own``);
@@ -15,20 +16,21 @@ split into forward and backward, and the share of the step that the per-step
 column selection, gathers and scatters take (torch.profiler self time of
 ``topk``, ``sort``, ``index_select`` and ``index_add_``).
 
-Usage: python benchmarks/bench_lstm.py [--repetitions 7] [--quick]
+Usage: python benchmarks/bench_lstm.py [--repetitions 15] [--threads N] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 from torch import nn
 
 import fxapprox
 
-from _common import interleaved_medians, machine_line, markdown_table, print_table, write_section
+from _common import interleaved_medians, interleaved_samples, machine_line, paired_ratio, markdown_table, print_table, write_section
 
 
 class LSTMOnly(nn.Module):
@@ -61,9 +63,15 @@ def _selection_share(step) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repetitions", type=int, default=7)
+    parser.add_argument("--repetitions", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads before measuring; the table goes to its own section")
     parser.add_argument("--quick", action="store_true", help="small sizes, not written to BENCHMARKS.md")
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     size, steps, batch = (128, 10, 16) if args.quick else (512, 50, 64)
     torch.manual_seed(0)
     model = LSTMOnly(size)
@@ -82,7 +90,8 @@ def main() -> None:
     steps_fn = {name: _step(module, x, grad) for name, module in variants.items()}
     forward_fn = {name: (lambda module=module: module(x)) for name, module in variants.items()}
     repetitions = 2 if args.quick else args.repetitions
-    times = interleaved_medians(steps_fn, repetitions, warmup=2)
+    samples = interleaved_samples(steps_fn, repetitions, warmup=2)
+    times = {name: statistics.median(values) for name, values in samples.items()}
     forward_times = interleaved_medians(forward_fn, repetitions, warmup=1)
     base = times["nn.LSTM"]
     rows = []
@@ -91,13 +100,15 @@ def main() -> None:
         forward = forward_times[name]
         rows.append([name, f"{ratios[name]:.3f}", f"{seconds * 1e3:.1f}", f"{forward * 1e3:.1f}",
                      f"{(seconds - forward) * 1e3:.1f}", f"{base / seconds:.2f}×",
+                     f"{paired_ratio(samples, 'nn.LSTM', name):.2f}×",
                      f"{share:.1%}" if ratios[name] < 1 else "-"])
     headers = ["variant", "gate keep-ratio", "step ms", "forward ms", "step − forward ms", "speed vs nn.LSTM",
-               "select+gather+scatter share"]
+               "paired speed vs nn.LSTM", "select+gather+scatter share"]
     title = f"LSTM {size}→{size}, T={steps}, batch {batch}, fp32, forward + backward"
     print_table(title, headers, rows)
     if not args.quick:
-        write_section("lstm", f"## Sparse-backward LSTM (issue 5)\n\n`python benchmarks/bench_lstm.py` — "
+        section = "lstm" if args.threads is None else f"lstm_threads{args.threads}"
+        write_section(section, f"## Sparse-backward LSTM (issue 5)\n\n`python benchmarks/bench_lstm.py` — "
                               f"{machine_line()}\n\n**{title}** (median of {args.repetitions}, interleaved)\n\n"
                       + markdown_table(headers, rows))
 
