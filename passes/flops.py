@@ -6,7 +6,8 @@ really exist (no input gradient for the stem conv, for instance). Writes
 ``flops_fwd`` and ``flops_bwd`` into ``node.meta["fxapprox"]``.
 
 ``FlopCounterMode`` has no formula for the oneDNN LSTM kernels that
-``nn.LSTM`` runs on CPU (it counts 0); we register one here.
+``nn.LSTM`` runs on CPU, nor for the oneDNN linear (``mkldnn._linear_pointwise``)
+that our LSTM runs its products with (it counts 0 for both); we register them here.
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ def _register_rnn_formulas() -> None:
 
 
 _register_rnn_formulas()
+
+
+def _register_onednn_linear_formula() -> None:
+    linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if linear is not None and linear not in flop_registry:
+        @register_flop_formula(linear)
+        def _onednn_linear(x_shape, *rest, out_shape=None, **kwargs) -> int:
+            # Overloads: default (x, weight, bias, attr, ...) and binary (x, other, weight, bias, attr).
+            weight_shape = rest[0] if isinstance(rest[2], str) else rest[1]
+            return 2 * math.prod(x_shape[:-1]) * weight_shape[0] * weight_shape[1]
+
+
+_register_onednn_linear_formula()
 
 
 class FlopCountInterpreter(NodeIsolationInterpreter):

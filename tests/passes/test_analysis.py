@@ -91,3 +91,28 @@ def test_lstm_flops_formula():
     expected = 2 * 3 * 5 * 64 * (8 + 16)
     assert node.meta["fxapprox"]["flops_fwd"] == expected
     assert node.meta["fxapprox"]["flops_bwd"] == 2 * expected
+
+
+def test_sparse_lstm_flops_are_counted_and_shrink_with_the_keep_ratio():
+    """Our LSTM runs its products through oneDNN's linear; FlopCounterMode must see them (a formula is registered),
+    with nn.LSTM's count at keep-ratio 1 and a backward proportional to the kept gate columns."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fxapprox.ops.lstm import sparse_backward_lstm_layer
+
+    steps, batch, inputs, hidden = 5, 4, 8, 16
+    lstm = nn.LSTM(inputs, hidden)
+    x = torch.randn(steps, batch, inputs, requires_grad=True)
+    h0 = torch.zeros(batch, hidden)
+    weights = (lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0)
+    forward_flops = 2 * steps * batch * 4 * hidden * (inputs + hidden)
+    with FlopCounterMode(display=False) as reference:
+        lstm(x)[0].sum().backward()
+    assert reference.get_total_flops() == 3 * forward_flops
+    for keep_ratio in (1.0, 0.5, 0.25):
+        with FlopCounterMode(display=False) as forward:
+            outputs, _, _ = sparse_backward_lstm_layer(x, h0, h0, *weights, keep_ratio=keep_ratio)
+        with FlopCounterMode(display=False) as backward:
+            outputs.sum().backward()
+        assert forward.get_total_flops() == forward_flops
+        assert backward.get_total_flops() == round(2 * forward_flops * keep_ratio)
