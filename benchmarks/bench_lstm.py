@@ -107,8 +107,11 @@ def main() -> None:
     title = f"LSTM {size}→{size}, T={steps}, batch {batch}, fp32, forward + backward"
     print_table(title, headers, rows)
     if not args.quick:
-        section = "lstm" if args.threads is None else f"lstm_threads{args.threads}"
-        write_section(section, f"## Sparse-backward LSTM (issue 5)\n\n`python benchmarks/bench_lstm.py` — "
+        section, heading, command = "lstm", "", "python benchmarks/bench_lstm.py"
+        if args.threads is not None:
+            section = f"lstm_threads{args.threads}"
+            heading, command = f", {args.threads} thread(s)", f"{command} --threads {args.threads}"
+        write_section(section, f"## Sparse-backward LSTM (issue 5){heading}\n\n`{command}` — "
                               f"{machine_line()}\n\n**{title}** (median of {args.repetitions}, interleaved)\n\n"
                       + markdown_table(headers, rows))
 
