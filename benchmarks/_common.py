@@ -29,10 +29,13 @@ def interleaved_samples(steps: dict, repetitions: int, warmup: int = 2) -> dict[
     return samples
 
 
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def interleaved_medians(steps: dict, repetitions: int, warmup: int = 2) -> dict[str, float]:
     """Median seconds of each callable in ``steps``, run round-robin so drift hits all alike."""
-    return {name: statistics.median(values)
-            for name, values in interleaved_samples(steps, repetitions, warmup).items()}
+    return medians(interleaved_samples(steps, repetitions, warmup))
 
 
 def paired_ratio(samples: dict[str, list[float]], base: str, name: str) -> float:

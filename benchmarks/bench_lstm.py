@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 
 import torch
 from torch import nn
 
 import fxapprox
 
-from _common import interleaved_medians, interleaved_samples, machine_line, paired_ratio, markdown_table, print_table, write_section
+from _common import (interleaved_medians, interleaved_samples, machine_line, markdown_table, medians, paired_ratio,
+                     print_table, write_section)
 
 
 class LSTMOnly(nn.Module):
@@ -91,7 +91,7 @@ def main() -> None:
     forward_fn = {name: (lambda module=module: module(x)) for name, module in variants.items()}
     repetitions = 2 if args.quick else args.repetitions
     samples = interleaved_samples(steps_fn, repetitions, warmup=2)
-    times = {name: statistics.median(values) for name, values in samples.items()}
+    times = medians(samples)
     forward_times = interleaved_medians(forward_fn, repetitions, warmup=1)
     base = times["nn.LSTM"]
     rows = []

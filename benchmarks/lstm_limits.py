@@ -9,7 +9,7 @@ For the benchmark's LSTM (batch 64, hidden 512, input 512) at gate keep-ratio 1,
 
 Each product is timed through oneDNN (``torch.ops.mkldnn._linear_pointwise``, what ``fxapprox.ops.lstm``
 uses) and through ``torch.mm`` (MKL), with the dense (T·B = 3200)-row products of the keep-ratio-1 path for
-comparison; the gather and scatter are timed with the cache flushed first (a 64 MiB pass), as they are in
+comparison; the gather and scatter are also timed with the cache flushed first (a 48 MiB pass), as they are in
 the backward, whose working set (gates, states, both weights and their gradients) is larger than the cache.
 Streaming-copy bandwidth at growing sizes closes the table.
 

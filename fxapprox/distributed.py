@@ -143,7 +143,7 @@ def _sampled_hook(state: SampledAllReduceState, bucket):
     # No return annotation: DDP rejects the string form that ``from __future__ import annotations`` makes.
     buffer = bucket.buffer()
     pieces: list[torch.Tensor] = []
-    writes: list[tuple] = []
+    writes: list = []   # one per piece: puts its reduced slice back
     offset = 0
     for param in bucket.parameters():
         view = buffer[offset:offset + param.numel()].view(param.shape)
@@ -152,19 +152,25 @@ def _sampled_hook(state: SampledAllReduceState, bucket):
         kept = entry[0].consume() if entry is not None else None
         if kept is None:
             pieces.append(view.reshape(-1))
-            writes.append((view, None, None, None))
+            writes.append(lambda reduced, view=view: view.copy_(reduced.view(view.shape)))
         else:
             selection, dim = entry
             piece = view.index_select(dim, kept)
             pieces.append(piece.reshape(-1))
-            writes.append((view, dim, kept, piece.shape))
+            # Outside ``kept`` the local gradient is already exactly zero on every rank: no zero_() needed.
+            writes.append(lambda reduced, view=view, dim=dim, kept=kept, shape=piece.shape:
+                          view.index_copy_(dim, kept, reduced.view(shape)))
             norms, selection.pending_input_norms = selection.pending_input_norms, None
             pieces.append(norms.to(buffer.dtype))
-            writes.append((selection, None, None, norms.numel()))
+            # the averaged input norms: the next step's scores
+            writes.append(lambda reduced, selection=selection:
+                          setattr(selection, "synced_input_norms", reduced.float().clone()))
     if offset != buffer.numel():
         raise RuntimeError(f"DDP bucket layout not understood: parameters cover {offset} of {buffer.numel()} "
                            "elements")
     flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+    sizes = [piece.numel() for piece in pieces]
+    del pieces
     state.bytes_sent += flat.numel() * flat.element_size()
     state.bytes_dense += buffer.numel() * buffer.element_size()
     state.buckets += 1
@@ -172,19 +178,8 @@ def _sampled_hook(state: SampledAllReduceState, bucket):
 
     def unpack(done) -> torch.Tensor:
         reduced = done.value()[0].div_(state.world_size)
-        position = 0
-        for view, dim, kept, shape in writes:
-            if isinstance(view, RankSyncedSelection):   # averaged input norms: the next step's scores
-                view.synced_input_norms = reduced[position:position + shape].float().clone()
-                position += shape
-            elif kept is None:
-                view.copy_(reduced[position:position + view.numel()].view(view.shape))
-                position += view.numel()
-            else:
-                count = shape.numel()
-                # Outside ``kept`` the local gradient is already exactly zero on every rank: no zero_() needed.
-                view.index_copy_(dim, kept, reduced[position:position + count].view(shape))
-                position += count
+        for write, part in zip(writes, reduced.split(sizes)):
+            write(part)
         return buffer
 
     return future.then(unpack)

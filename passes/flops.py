@@ -31,35 +31,32 @@ def _rnn_layer_flops(input_shape, w_ih_shape, w_hh_shape) -> int:
     return 2 * steps_times_batch * gate_rows * (w_ih_shape[1] + w_hh_shape[1])
 
 
-def _register_rnn_formulas() -> None:
-    forward_op = getattr(torch.ops.aten, "mkldnn_rnn_layer", None)
-    backward_op = getattr(torch.ops.aten, "mkldnn_rnn_layer_backward", None)
-    if forward_op is not None and forward_op.default not in flop_registry:
-        @register_flop_formula(forward_op)
-        def _mkldnn_rnn_forward(input, weight0, weight1, *args, out_shape=None, **kwargs) -> int:
-            return _rnn_layer_flops(input, weight0, weight1)
-
-    if backward_op is not None and backward_op.default not in flop_registry:
-        @register_flop_formula(backward_op)
-        def _mkldnn_rnn_backward(input, weight1, weight2, *args, out_shape=None, **kwargs) -> int:
-            # input, hidden and both weight gradients: twice the forward GEMMs.
-            return 2 * _rnn_layer_flops(input, weight1, weight2)
+def _mkldnn_rnn_forward(input, weight0, weight1, *args, out_shape=None, **kwargs) -> int:
+    return _rnn_layer_flops(input, weight0, weight1)
 
 
-_register_rnn_formulas()
+def _mkldnn_rnn_backward(input, weight1, weight2, *args, out_shape=None, **kwargs) -> int:
+    # input, hidden and both weight gradients: twice the forward GEMMs.
+    return 2 * _rnn_layer_flops(input, weight1, weight2)
 
 
-def _register_onednn_linear_formula() -> None:
-    linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    if linear is not None and linear not in flop_registry:
-        @register_flop_formula(linear)
-        def _onednn_linear(x_shape, *rest, out_shape=None, **kwargs) -> int:
-            # Overloads: default (x, weight, bias, attr, ...) and binary (x, other, weight, bias, attr).
-            weight_shape = rest[0] if isinstance(rest[2], str) else rest[1]
-            return 2 * math.prod(x_shape[:-1]) * weight_shape[0] * weight_shape[1]
+def _onednn_linear(x_shape, *rest, out_shape=None, **kwargs) -> int:
+    # Overloads: default (x, weight, bias, attr, ...) and binary (x, other, weight, bias, attr).
+    weight_shape = rest[0] if isinstance(rest[2], str) else rest[1]
+    return 2 * math.prod(x_shape[:-1]) * weight_shape[0] * weight_shape[1]
 
 
-_register_onednn_linear_formula()
+def _register_missing_formulas() -> None:
+    """Register each formula once, for ops this torch build has (the registry is keyed by overload packet)."""
+    for namespace, name, formula in (("aten", "mkldnn_rnn_layer", _mkldnn_rnn_forward),
+                                     ("aten", "mkldnn_rnn_layer_backward", _mkldnn_rnn_backward),
+                                     ("mkldnn", "_linear_pointwise", _onednn_linear)):
+        op = getattr(getattr(torch.ops, namespace), name, None)
+        if op is not None and op not in flop_registry:
+            register_flop_formula(op)(formula)
+
+
+_register_missing_formulas()
 
 
 class FlopCountInterpreter(NodeIsolationInterpreter):

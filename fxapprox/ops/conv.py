@@ -110,7 +110,7 @@ def sampled_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     scores = pair_scores_conv2d(x, weight)
     kept, scale = _nonempty(*select_pairs(method, scores, k, random_share), scores)
-    return _SampledConv2dFunction.apply(x, weight, bias, kept, scale, stride, padding, dilation)
+    return conv2d_with_channels(x, weight, bias, kept, scale, stride, padding, dilation)
 
 
 def conv2d_with_channels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kept: torch.Tensor,

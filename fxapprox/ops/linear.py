@@ -112,12 +112,9 @@ def sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return torch.nn.functional.linear(x, weight, bias)
     if k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    lead_shape = x.shape[:-1]
-    x2d = x.reshape(-1, in_features)
-    scores = pair_scores_linear(x2d, weight)
+    scores = pair_scores_linear(x.reshape(-1, in_features), weight)
     kept, scale = _nonempty(*select_pairs(method, scores, k, random_share), scores)
-    out = _SampledLinearFunction.apply(x2d, weight, bias, kept, scale)
-    return out.reshape(*lead_shape, weight.shape[0])
+    return linear_with_pairs(x, weight, bias, kept, scale)
 
 
 def linear_with_pairs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kept: torch.Tensor,
