@@ -1,18 +1,20 @@
 """Character-level LSTM language model on the CPython standard library's sources: dense vs sparse vs mixed.
 
 Every machine with Python has the corpus: the ``.py`` files next to ``os.py``.
-The same model (embedding → LSTM → linear decoder) is trained three ways from
-the same initial weights and batches:
+The same model (embedding → LSTM → linear decoder) is trained from the same
+initial weights and batches under each configuration:
 
 * **dense** — the plain model (``nn.LSTM``);
-* **sparse** — ``fxapprox.approximate(model, budget)``: the LSTM's backward keeps
-  the top gate-gradient columns (the decoder is kept exact so the comparison
-  is about the LSTM);
+* **sparse** — the FLOP-ranked plan (``policy="flops"``) at ``--budget``: the LSTM's
+  backward keeps the top gate-gradient columns (the decoder is kept exact so the
+  comparison is about the LSTM);
 * **mixed** — the same, with :class:`fxapprox.SparseThenDense`: sparse for the
-  first ¾ of the steps, exact for the last ¼.
+  first ¾ of the steps, exact for the last ¼;
+* **measured 0.5** / **measured 0.7** — ``approximate(model, budget)`` with the default
+  measured policy, nothing excluded: it decides from measured errors and speed.
 
-It prints validation loss (exact evaluation) against wall-clock time and, with
-matplotlib installed, writes a PNG of the curves.
+It prints validation loss (exact evaluation) at equal steps and at equal
+wall-clock and, with matplotlib installed, writes a PNG of the curves.
 
 Usage: python examples/char_lstm.py [--steps 600] [--budget 0.667] [--plot char_lstm.png]
 """
@@ -22,8 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
-import pathlib
 import time
 
 import torch
@@ -31,20 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
+from _compare import compare, print_rows
+from _text import load_corpus, windows
 from fxapprox.plotting import save_curves
-
-
-def load_corpus(max_bytes: int) -> str:
-    """The standard library's ``.py`` sources, in sorted order, up to ``max_bytes`` characters."""
-    root = pathlib.Path(os.__file__).parent
-    parts, size = [], 0
-    for path in sorted(root.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        size += len(text)
-        if size >= max_bytes:
-            break
-    return "".join(parts)[:max_bytes]
 
 
 class CharLM(nn.Module):
@@ -58,13 +47,6 @@ class CharLM(nn.Module):
         return self.decode(self.lstm(self.embed(tokens))[0])
 
 
-def batches(data: torch.Tensor, seq: int, batch: int, generator: torch.Generator):
-    while True:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=generator)
-        window = torch.stack([data[s:s + seq + 1] for s in starts.tolist()], dim=1)  # (seq+1, batch)
-        yield window[:-1], window[1:]
-
-
 def evaluate(model, val_batches) -> float:
     model.eval()
     with torch.no_grad():
@@ -75,7 +57,7 @@ def evaluate(model, val_batches) -> float:
 
 def train(model, schedule, args, data, val_batches, label):
     generator = torch.Generator().manual_seed(1)
-    stream = batches(data, args.seq, args.batch, generator)
+    stream = windows(data, args.seq, args.batch, generator, batch_first=False)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     curve = [(0.0, 0, evaluate(model, val_batches))]
     elapsed = 0.0
@@ -106,6 +88,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--sparse-fraction", type=float, default=0.75)
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
     parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--configs", default="dense,sparse,mixed,measured 0.5,measured 0.7",
+                        help="comma-separated: dense, sparse, mixed, 'measured B'")
     parser.add_argument("--plot", default=None, help="write the learning curves to this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
 
@@ -115,41 +99,45 @@ def main(argv=None) -> dict:
     data = torch.tensor([index[ch] for ch in text], dtype=torch.long)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
-    val_stream = batches(val_data, args.seq, args.batch, torch.Generator().manual_seed(2))
+    val_stream = windows(val_data, args.seq, args.batch, torch.Generator().manual_seed(2), batch_first=False)
     val_batches = [next(val_stream) for _ in range(8)]
     print(f"corpus: {len(text):,} characters of CPython's standard library, vocabulary {len(vocab)}")
 
     torch.manual_seed(0)
     base = CharLM(len(vocab), hidden=args.hidden)
-    config = fxapprox.ApproxConfig(overrides=(fxapprox.LayerOverride("decode", exclude=True),
+    config = fxapprox.ApproxConfig(policy="flops", overrides=(fxapprox.LayerOverride("decode", exclude=True),
                                               fxapprox.LayerOverride("embed", exclude=True)))
-    example = (next(batches(train_data, args.seq, args.batch, torch.Generator().manual_seed(3)))[0],)
+    example = (next(windows(train_data, args.seq, args.batch, torch.Generator().manual_seed(3), batch_first=False))[0],)
     results = {}
-    for label in ("dense", "sparse", "mixed"):
+    for label in [c.strip() for c in args.configs.split(",")]:
         model = copy.deepcopy(base)
         schedule = None
+        result: dict = {}
         if label != "dense":
-            model = fxapprox.approximate(model, args.budget, example_inputs=example, config=config)
-            if label == "sparse":
-                decision = model.plan.decision("lstm")
-                print(f"plan: LSTM gate keep-ratio {decision.keep_ratio:.3f} at budget {args.budget:.3f}")
+            if label.startswith("measured"):
+                model = fxapprox.approximate(model, float(label.split()[1]), example_inputs=example)
             else:
+                model = fxapprox.approximate(model, args.budget, example_inputs=example, config=config)
+            plan = model.plan
+            result.update(achieved=plan.achieved, predicted_error=plan.predicted_error)
+            decision = plan.decision("lstm")
+            lstm = f"keep-ratio {decision.keep_ratio:.3f}" if decision.approximate else f"exact: {decision.reason}"
+            print(f"{label}: {plan.note}; LSTM {lstm}")
+            if label == "mixed":
                 schedule = fxapprox.SparseThenDense(model, args.steps, args.sparse_fraction)
-        results[label] = train(model, schedule, args, train_data, val_batches, label)
+        result["curve"] = train(model, schedule, args, train_data, val_batches, label)
+        results[label] = result
 
-    dense_loss, dense_time = results["dense"][-1][2], results["dense"][-1][0]
-    print(f"\n| schedule | final val loss | vs dense | train wall s | vs dense | perplexity |")
-    print("|---|---|---|---|---|---|")
-    for label, curve in results.items():
-        seconds, _, loss = curve[-1]
-        print(f"| {label} | {loss:.4f} | {loss / dense_loss - 1:+.1%} | {seconds:.1f} | {seconds / dense_time:.2f}× | "
-              f"{math.exp(loss):.2f} |")
+    rows = compare(results, "dense")
+    print_rows(rows)
+    for row in rows:
+        print(f"  {row['config']}: perplexity {math.exp(row['val_loss']):.2f}")
     if args.plot:
-        save_curves(args.plot, {label: ([c[0] for c in curve], [c[2] for c in curve])
-                                for label, curve in results.items()},
+        save_curves(args.plot, {label: ([c[0] for c in r["curve"]], [c[2] for c in r["curve"]])
+                                for label, r in results.items()},
                     xlabel="training wall-clock (s)", ylabel="validation loss (nats/char)",
                     title=f"char-LSTM on CPython stdlib, budget {args.budget:.2f}", marker="o")
-    return results
+    return {"results": results, "comparison": rows}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""A small CNN on scikit-learn's digits: exact vs ``budget=0.5`` vs ``memory_budget=0.125`` vs both, 3 seeds.
+"""A small CNN on scikit-learn's digits: exact vs the FLOP-ranked plan vs the measured plans, 3 seeds.
 
 The digits (1797 8×8 images, 10 classes) ship with scikit-learn: nothing is
 downloaded. Every configuration trains from the same initial weights and the
-same batches for a given seed; evaluation is exact (``eval()``). It prints the
-final test accuracy (mean ± std over seeds) and wall time per configuration
-and, with matplotlib installed, writes the test-accuracy curves to a PNG.
+same batches for a given seed; evaluation is exact (``eval()``):
+
+* ``exact``; ``flops 0.5`` — the FLOP-ranked plan (one common keep-ratio, the old default);
+* ``measured 0.5`` / ``measured 0.7`` — the measured plan (the default policy);
+* ``memory 0.125`` — ``memory_budget=0.125`` (saved activations at ~4 bits, widths by measured error).
+
+It prints each plan's note, the final test loss and accuracy (mean ± std over seeds),
+the loss at equal steps and at equal wall-clock, and with matplotlib writes test
+loss against training wall-clock to a PNG.
 
 Usage: python examples/digits_cnn.py [--epochs 25] [--seeds 3] [--plot docs/digits_cnn.png]
 """
@@ -12,7 +18,6 @@ Usage: python examples/digits_cnn.py [--epochs 25] [--seeds 3] [--plot docs/digi
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
@@ -21,10 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
+from _compare import compare, print_rows
 from fxapprox.plotting import save_curves
 
-CONFIGS = {"exact": {}, "budget 0.5": {"budget": 0.5}, "memory_budget 0.125": {"memory_budget": 0.125},
-           "both": {"budget": 0.5, "memory_budget": 0.125}}
+CONFIGS = {"exact": {}, "flops 0.5": {"budget": 0.5, "policy": "flops"},
+           "measured 0.5": {"budget": 0.5}, "measured 0.7": {"budget": 0.7},
+           "memory 0.125": {"memory_budget": 0.125}}
 
 
 class DigitsCNN(nn.Module):
@@ -54,33 +61,41 @@ def load() -> tuple:
     return (x[train], y[train]), (x[test], y[test])
 
 
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(test loss, test accuracy), exact."""
     model.eval()
     with torch.no_grad():
-        result = (model(x).argmax(1) == y).float().mean().item()
+        logits = model(x)
+        result = F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
     model.train()
     return result
 
 
-def train(config: dict, seed: int, data: tuple, epochs: int, batch: int) -> tuple[list[float], float]:
+def train(config: dict, seed: int, data: tuple, epochs: int, batch: int) -> tuple[list, object]:
+    """``([(training seconds, epoch, test loss, test accuracy), ...], plan or None)``."""
     (x, y), (x_test, y_test) = data
     torch.manual_seed(seed)
     model = DigitsCNN()
+    plan = None
     if config:
         model = fxapprox.approximate(model, config.get("budget", 1.0), memory_budget=config.get("memory_budget"),
-                                     example_inputs=(x[:batch],))
+                                     example_inputs=(x[:batch],),
+                                     config=fxapprox.ApproxConfig(policy=config.get("policy", "measured")))
+        plan = model.plan
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    curve = []
-    start = time.perf_counter()
-    for epoch in range(epochs):
+    curve = [(0.0, 0, *evaluate(model, x_test, y_test))]
+    elapsed = 0.0
+    for epoch in range(1, epochs + 1):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        start = time.perf_counter()
         for b in range(len(y) // batch):   # full batches only: every step sees the planned shape
             index = order[b * batch:(b + 1) * batch]
             optimizer.zero_grad()
             F.cross_entropy(model(x[index]), y[index]).backward()
             optimizer.step()
-        curve.append(accuracy(model, x_test, y_test))
-    return curve, time.perf_counter() - start
+        elapsed += time.perf_counter() - start
+        curve.append((elapsed, epoch, *evaluate(model, x_test, y_test)))
+    return curve, plan
 
 
 def main(argv=None) -> dict:
@@ -95,18 +110,30 @@ def main(argv=None) -> dict:
     results = {}
     for name, config in CONFIGS.items():
         runs = [train(config, seed, data, args.epochs, args.batch) for seed in range(args.seeds)]
-        results[name] = {"curves": [curve for curve, _ in runs], "seconds": [seconds for _, seconds in runs]}
-        finals = [curve[-1] for curve, _ in runs]
-        spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
-        print(f"{name:22s} test accuracy {statistics.mean(finals):.4f} ± {spread:.4f}   "
-              f"wall {statistics.mean(results[name]['seconds']):.1f} s/run")
+        curves = [curve for curve, _ in runs]
+        plan = runs[0][1]
+        # the seed-mean curve: mean time, loss and accuracy at each epoch
+        mean_curve = [tuple(statistics.mean(point[i] for point in points) if i != 1 else points[0][1]
+                            for i in range(4)) for points in zip(*curves)]
+        results[name] = {"curve": [(t, e, loss) for t, e, loss, _ in mean_curve], "accuracy_curve": mean_curve,
+                         "final_accuracy": [c[-1][3] for c in curves], "final_loss": [c[-1][2] for c in curves]}
+        if plan is not None:
+            results[name].update(achieved=plan.achieved, predicted_error=plan.predicted_error)
+            memory = "" if plan.memory is None else f" | {plan.memory.note}"
+            print(f"{name}: {plan.note}{memory}")
+        accuracies = results[name]["final_accuracy"]
+        spread = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
+        print(f"{name:14s} test loss {statistics.mean(results[name]['final_loss']):.4f}  accuracy "
+              f"{statistics.mean(accuracies):.4f} ± {spread:.4f}   train {mean_curve[-1][0]:.1f} s/run", flush=True)
+    rows = compare(results)
+    print_rows(rows)
     if args.plot:
-        means = {name: [statistics.mean(values) for values in zip(*result["curves"])]
-                 for name, result in results.items()}
-        save_curves(args.plot, {name: (list(range(1, len(mean) + 1)), mean) for name, mean in means.items()},
-                    xlabel="epoch", ylabel=f"test accuracy (mean of {args.seeds} seeds)",
-                    title="Small CNN on scikit-learn digits", ylim=(0.8, 1.0))
-    return results
+        save_curves(args.plot, {name: ([c[0] for c in r["curve"]], [c[2] for c in r["curve"]])
+                                for name, r in results.items()},
+                    xlabel="training wall-clock (s, mean of seeds)",
+                    ylabel=f"test loss (mean of {args.seeds} seeds)", title="Small CNN on scikit-learn digits",
+                    marker="o")
+    return {"results": results, "comparison": rows}
 
 
 if __name__ == "__main__":

@@ -35,6 +35,16 @@ def check_share(name: str, value: object) -> float:
     return result
 
 
+def check_positive(name: str, value: object) -> float:
+    """Return ``value`` as a finite float > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a positive real number, got {type(value).__name__} {value!r}")
+    result = float(value)
+    if not (math.isfinite(result) and result > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return result
+
+
 def check_int(name: str, value: object, *, minimum: int) -> int:
     """Return ``value`` as an int ≥ ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

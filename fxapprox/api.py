@@ -20,10 +20,13 @@ from fxapprox.errors import PlanNotReadyError
 from fxapprox.modules import APPROX_MODULE_TYPES
 from fxapprox.ops.sampling import METHODS
 from fxapprox.passes.budget_policy import plan_budget
+from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.channels import annotate_channels
 from fxapprox.passes.compact_pooling import compact_max_pools
 from fxapprox.passes.flops import count_flops
-from fxapprox.passes.memory_policy import plan_memory
+from fxapprox.passes.measure_candidates import measure_candidates
+from fxapprox.passes.measure_saved import measure_saved_values
+from fxapprox.passes.memory_policy import memory_candidates, plan_memory
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.rewrite_saved import rewrite_saved_activations
@@ -104,6 +107,10 @@ class ApproxGraphModule(torch.fx.GraphModule):
         config: ApproxConfig = state["config"]
         analyse(self, inputs, progress=config.progress)
         rank_layers(self)
+        enumerate_candidates(self, state["method"], config)
+        if config.policy == "measured" and state["budget"] < 1.0:
+            with _measurement_sandbox(self):
+                measure_candidates(self, *inputs, config=config, progress=config.progress)
         plan = plan_budget(self, state["budget"], state["method"], config)
         rewrite_sampled_ops(self, plan)
         memory_budget = state["memory_budget"]
@@ -112,6 +119,9 @@ class ApproxGraphModule(torch.fx.GraphModule):
             # Sampled layers save gathered copies and max pools byte offsets now: measure the rewritten graph.
             with _measurement_sandbox(self):
                 measure_saved_bytes(self, *inputs, progress=config.progress)
+                if config.activation_policy == "measured" and config.activation_bits is None:
+                    measure_saved_values(self, *inputs, values=memory_candidates(self, config), config=config,
+                                         progress=config.progress)
             memory_plan = plan_memory(self, memory_budget, config)
             rewrite_saved_activations(self, memory_plan)
             plan = dataclasses.replace(plan, memory=memory_plan)
@@ -196,7 +206,7 @@ def _as_tuple(example_inputs) -> tuple:
 
 
 def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, memory_budget: float | None = None,
-                method: str = "topk", config: ApproxConfig | None = None) -> ApproxGraphModule:
+                method: str = "auto", config: ApproxConfig | None = None) -> ApproxGraphModule:
     """Return a copy of ``model`` whose training step spends at most ``budget`` of the exact FLOPs.
 
     ``budget`` is the fraction, in (0, 1], of the exact model's training-step
@@ -214,7 +224,7 @@ def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, m
     """
     budget = check_fraction("budget", budget)
     memory_budget = check_fraction("memory_budget", memory_budget, allow_none=True)
-    check_choice("method", method, METHODS)
+    check_choice("method", method, set(METHODS) | {"auto"})
     if config is None:
         config = ApproxConfig()
     elif not isinstance(config, ApproxConfig):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxapprox._projection import first_tensor, projection_direction, projection_loss
 from fxapprox._validate import check_fraction, check_int
 
 __all__ = ["BenchResult", "LayerFidelity", "bench"]
@@ -65,6 +66,11 @@ class BenchResult:
     memory_budget: float | None
     steps: int
     layers: tuple[LayerFidelity, ...] = field(default_factory=tuple)
+    #: measured relative model-gradient error: root-mean-square over the parameter-owning modules of
+    #: ``‖g − g_exact‖ / ‖g_exact‖`` (the quantity the measured policy predicts)
+    grad_error: float = 0.0
+    #: the plan's prediction of ``grad_error`` (measured policy only)
+    predicted_grad_error: float | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -92,6 +98,8 @@ class BenchResult:
         summary.add_row("FLOPs executed", f"{self.flops_exact:,}", f"{self.flops_executed:,}",
                         f"{self.flops_executed / self.flops_exact:.3f}" if self.flops_exact else "-")
         summary.add_row("FLOPs planned", "", f"{self.flops_planned:,}", "")
+        predicted = "" if self.predicted_grad_error is None else f"predicted {self.predicted_grad_error:.3f}"
+        summary.add_row("model-gradient error", "0", f"{self.grad_error:.3f}", predicted)
         console.print(summary)
         layers = Table(title="weight-gradient fidelity vs exact (same weights, same batch)")
         for column in ("layer", "method", "keep", "cosine", "rel. error"):
@@ -102,28 +110,13 @@ class BenchResult:
         console.print(layers)
 
 
-def _first_tensor(output) -> torch.Tensor:
-    if isinstance(output, (tuple, list)):
-        return _first_tensor(output[0])
-    if isinstance(output, dict):
-        return _first_tensor(next(iter(output.values())))
-    return output
-
-
 def _random_projection_loss(model: nn.Module, inputs: tuple) -> Callable:
-    """``(output · R).sum()`` for a fixed random ``R``: a loss whose gradients reach every layer.
-
-    Not ``output.sum()``: behind a training-mode BatchNorm the gradient of a sum is ~0 (the
-    normalisation removes the mean), and comparing gradients that are only rounding noise
-    says nothing about the approximation.
-    """
+    """The analyses' projection loss (``fxapprox._projection``) with its direction fixed for ``model``."""
     with torch.no_grad():
-        shape = _first_tensor(copy.deepcopy(model)(*inputs)).shape
-    direction = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(inputs[0].device)
+        direction = projection_direction(first_tensor(copy.deepcopy(model)(*inputs)))
 
     def loss(output) -> torch.Tensor:
-        output = _first_tensor(output)
-        return (output.float() * direction).sum()
+        return projection_loss(output, direction)
     return loss
 
 
@@ -156,7 +149,26 @@ def _layer_weights(module: nn.Module) -> list[str]:
     return [name for name, _ in module.named_parameters(recurse=False) if name.startswith("weight")]
 
 
-def _fidelity(exact: nn.Module, approx, inputs: tuple, loss_fn: Callable, samples: int) -> tuple[LayerFidelity, ...]:
+def _model_grad_error(exact: nn.Module, approx, sums: dict, samples: int) -> float:
+    """Root-mean-square over parameter-owning modules of their gradients' relative error."""
+    groups: dict[str, list[str]] = {}
+    for name, param in exact.named_parameters():
+        if param.grad is not None:
+            groups.setdefault(name.rpartition(".")[0], []).append(name)
+    errors = []
+    exact_params = dict(exact.named_parameters())
+    for names in groups.values():
+        reference = torch.cat([exact_params[n].grad.detach().double().reshape(-1) for n in names])
+        estimate = torch.cat([(sums[n] / samples).reshape(-1) if n in sums else torch.zeros_like(
+            exact_params[n].grad, dtype=torch.float64).reshape(-1) for n in names])
+        norm = reference.norm()
+        if norm > 0:
+            errors.append(float((estimate - reference).norm() / norm) ** 2)
+    return (sum(errors) / len(errors)) ** 0.5 if errors else 0.0
+
+
+def _fidelity(exact: nn.Module, approx, inputs: tuple, loss_fn: Callable,
+              samples: int) -> tuple[tuple[LayerFidelity, ...], float]:
     exact_params = dict(exact.named_parameters())
     approx_modules = dict(approx.named_modules())
     _train_step(exact, inputs, loss_fn)()
@@ -183,13 +195,14 @@ def _fidelity(exact: nn.Module, approx, inputs: tuple, loss_fn: Callable, sample
             name=decision.target, method=decision.method if decision.approximate else "exact",
             keep_ratio=decision.keep_ratio if decision.approximate else 1.0, grad_cosine=cosine,
             grad_rel_error=float(difference / exact_norm) if exact_norm > 0 else float(difference)))
+    model_error = _model_grad_error(exact, approx, sums, samples)
     exact.zero_grad(set_to_none=True)
     approx.zero_grad(set_to_none=True)
-    return tuple(layers)
+    return tuple(layers), model_error
 
 
 def bench(model: nn.Module, example_inputs, *, budget: float = 0.5, memory_budget: float | None = None,
-          steps: int = 10, warmup: int = 2, method: str = "topk", config=None, loss_fn: Callable | None = None,
+          steps: int = 10, warmup: int = 2, method: str = "auto", config=None, loss_fn: Callable | None = None,
           fidelity_samples: int = 1, progress: bool = True) -> BenchResult:
     """Time, memory, FLOPs and per-layer gradient fidelity of ``approximate(model, ...)`` vs ``model``.
 
@@ -239,10 +252,11 @@ def bench(model: nn.Module, example_inputs, *, budget: float = 0.5, memory_budge
     approx_mib = _saved_mib(approx, inputs, loss_fn, approx)
     flops_exact = _executed_flops(exact_step)
     flops_executed = _executed_flops(approx_step)
-    layers = _fidelity(exact, approx, inputs, loss_fn, fidelity_samples)
+    layers, grad_error = _fidelity(exact, approx, inputs, loss_fn, fidelity_samples)
     return BenchResult(
         exact_step_s=exact_s, approx_step_s=approx_s, speedup=exact_s / approx_s,
         exact_mem_mib=exact_mib, approx_mem_mib=approx_mib,
         memory_ratio=exact_mib / approx_mib if approx_mib else float("inf"),
         flops_exact=flops_exact, flops_planned=int(approx.plan.total_planned_flops), flops_executed=flops_executed,
-        budget=budget, memory_budget=memory_budget, steps=steps, layers=layers)
+        budget=budget, memory_budget=memory_budget, steps=steps, layers=layers, grad_error=grad_error,
+        predicted_grad_error=approx.plan.predicted_error)

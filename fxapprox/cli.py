@@ -74,7 +74,15 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--input-shape", default="8,3,224,224", help="example input shape (8,3,224,224)")
         sub.add_argument("--memory-budget", default=None,
                          help="fraction of exact saved-activation bytes, in (0, 1] (none: not compressed)")
-        sub.add_argument("--method", default="topk", help="pair selection method (topk)")
+        sub.add_argument("--method", default="auto", help="pair selection method: topk, crs, bernoulli, wta_crs or "
+                                                          "auto (the measured policy picks per layer; auto)")
+        sub.add_argument("--policy", default="measured",
+                         help="measured (least measured error for the budget), flops or uniform (measured)")
+        sub.add_argument("--max-grad-error", default="0.3",
+                         help="measured policy: predicted model-gradient error the plan may reach, or 'none' (0.3)")
+        sub.add_argument("--min-speedup", default="1.05",
+                         help="measured policy: a candidate must run this much faster than the exact op, or 'none' "
+                              "to skip timing (1.05)")
         sub.add_argument("--seed", type=int, default=0, help="seed for the random model and input (0)")
 
     report = commands.add_parser("report", help="plan a model and print the rewrite report")
@@ -91,8 +99,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _checked_arguments(args) -> tuple[tuple[int, ...], float, float | None]:
-    """Shape, budget and memory budget, validated before the model is built (bad arguments fail fast)."""
+def _optional_number(text: str, flag: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise CliError(f"{flag} {text!r}: expected a number or 'none'") from None
+
+
+def _checked_arguments(args, progress: bool = False):
+    """Shape, budget, memory budget and config, validated before the model is built (bad arguments fail fast)."""
+    import fxapprox
     from fxapprox._validate import check_choice, check_fraction, check_int
     from fxapprox.ops.sampling import METHODS
 
@@ -101,25 +119,29 @@ def _checked_arguments(args) -> tuple[tuple[int, ...], float, float | None]:
         budget = check_fraction("budget", _parse_budget(args.budget))
         memory_budget = None if args.memory_budget is None else check_fraction(
             "memory_budget", _parse_budget(args.memory_budget, "--memory-budget"))
-        check_choice("method", args.method, METHODS)
+        check_choice("method", args.method, set(METHODS) | {"auto"})
         if args.command == "bench":
             check_int("steps", args.steps, minimum=1)
             check_int("warmup", args.warmup, minimum=0)
+        config = fxapprox.ApproxConfig(
+            policy=args.policy, progress=progress,
+            max_grad_error=_optional_number(args.max_grad_error, "--max-grad-error"),
+            min_speedup=_optional_number(args.min_speedup, "--min-speedup"))
     except (TypeError, ValueError) as error:
         raise CliError(str(error)) from None
-    return shape, budget, memory_budget
+    return shape, budget, memory_budget, config
 
 
 def _approximate(args, progress: bool):
     import fxapprox
 
-    shape, budget, memory_budget = _checked_arguments(args)
+    shape, budget, memory_budget, config = _checked_arguments(args, progress)
     torch.manual_seed(args.seed)
     model = load_model(args.model)
     example = torch.randn(shape)
     try:
         return fxapprox.approximate(model, budget, example_inputs=(example,), memory_budget=memory_budget,
-                                    method=args.method, config=fxapprox.ApproxConfig(progress=progress))
+                                    method=args.method, config=config)
     except (TypeError, ValueError) as error:  # argument validation: one line, no traceback
         raise CliError(str(error)) from None
 
@@ -127,13 +149,13 @@ def _approximate(args, progress: bool):
 def _bench(args) -> None:
     import fxapprox
 
-    shape, budget, memory_budget = _checked_arguments(args)
+    progress = not args.json and sys.stderr.isatty()
+    shape, budget, memory_budget, config = _checked_arguments(args, progress)
     torch.manual_seed(args.seed)
     model = load_model(args.model)
     example = torch.randn(shape)
     result = fxapprox.bench(model, (example,), budget=budget, memory_budget=memory_budget, steps=args.steps,
-                            warmup=args.warmup, method=args.method,
-                            progress=not args.json and sys.stderr.isatty())
+                            warmup=args.warmup, method=args.method, config=config, progress=progress)
     if args.json:
         print(result.to_json())
     else:

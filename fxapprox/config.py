@@ -8,17 +8,24 @@ decision for layers matched by name, regular expression or module type.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 
 from torch import nn
 
-from fxapprox._validate import check_choice, check_fraction, check_int, check_share
+from fxapprox._validate import check_choice, check_fraction, check_int, check_positive, check_share
 from fxapprox.modules import MODES
 from fxapprox.ops.quantize import ROUNDINGS
 from fxapprox.ops.sampling import METHODS
 
-#: how the plan is made: spend the FLOP budget ("budget") or every eligible layer at keep_ratio ("uniform")
-POLICIES = ("budget", "uniform")
+#: how the plan is made: least measured error for the FLOP budget ("measured"), the FLOP-ranked walk at one
+#: common keep-ratio ("flops"), or every eligible layer at keep_ratio ("uniform")
+POLICIES = ("measured", "flops", "uniform")
+#: the candidates ``method="auto"`` measures, per mode (see README "How the plan is made")
+#: forward sampling keeps the papers' top-k (unbiased forward sampling compounds its noise through the layers
+#: above); the backward modes use WTA-CRS: on the char transformer top-k's bias cost 14–25% validation loss where
+#: WTA-CRS cost 3–12% at the same ratios (BENCHMARKS.md, planner calibration)
+AUTO_METHODS = {"forward": ("topk",), "backward": ("wta_crs",), "weight_grad": ("wta_crs",)}
 #: widths ``activation_bits`` accepts (32: through the hooks, uncompressed)
 ACTIVATION_BITS = (2, 4, 8, 32)
 
@@ -81,22 +88,49 @@ class ApproxConfig:
     - ``leaf_modules``: module qualified names or types the tracer keeps opaque
       (recurrent modules are always leaves).
     - ``overrides``: :class:`LayerOverride` rules; the first matching rule wins.
-    - ``keep_ratio``: the keep-ratio the policy prefers; it approximates layers
-      in rank order at this ratio until the budget is met.
-    - ``min_keep_ratio``: the floor; if the budget needs less, the policy stops
-      at the floor and the report says what was achieved.
+    - ``policy``: how the budget is spent. ``"measured"`` (default): every
+      candidate (method × mode × keep-ratio on ``keep_ratios``) of every layer is
+      run on the example batch in isolation; its errors (output, input gradient,
+      weight gradient, against the exact ones under a real upstream gradient) and
+      its speed against the exact op are measured, and the plan meets the budget
+      with the least predicted model-gradient error, never beyond
+      ``max_grad_error``. ``"flops"``: the FLOP-ranked walk at one common
+      keep-ratio (``keep_ratio``, lowered to ``min_keep_ratio``). ``"uniform"``:
+      the papers' recipe, every eligible layer at ``keep_ratio`` (combine with
+      ``min_channels`` for "layers with ≥ N channels at ratio r"); see
+      :meth:`paper_recipe`.
+    - ``keep_ratios``: the keep-ratio grid the measured policy tries.
+    - ``max_grad_error``: the measured policy's tolerance: the predicted relative
+      error of the model's gradient (the root-mean-square over its parameterised
+      layers of each one's relative gradient error) the plan may reach. When the
+      budget needs more, the plan stops at the tolerance and says which budget it
+      reached. ``None``: no limit.
+    - ``min_speedup``: a candidate must run at least this much faster than the
+      exact op (fwd + bwd, median of ``measure_repeats`` timed runs) to be used;
+      ``None`` skips timing (plans then depend on FLOPs and errors only, and are
+      identical on every machine — e.g. for tests or several ranks planning apart).
+    - ``measure_repeats``: timed runs per candidate and per exact op.
+    - ``error_draws``: draws over which an unbiased method's bias and noise are
+      measured (its expected error, not one sample's).
+    - ``noise_horizon``: steps over which a candidate's noise averages out (like
+      mini-batch noise): its effective error is ``sqrt(bias² + noise² / noise_horizon)``;
+      ``1`` treats noise like bias. The default 30 was fitted to training runs (an
+      unbiased estimator with a noisy draw costs far less than a biased one).
+    - ``keep_ratio``: the keep-ratio the ``"flops"`` policy prefers (it approximates
+      layers in rank order at this ratio until the budget is met) and the ratio of
+      ``"uniform"``.
+    - ``min_keep_ratio``: the ``"flops"`` policy's floor; if the budget needs less,
+      the policy stops at the floor and the report says what was achieved.
     - ``min_channels``: layers reducing over fewer channels/features stay exact
       (the 3-channel stem, tiny heads).
     - ``min_k``: a layer whose kept-pair count would fall below this stays exact.
-    - ``mode``: ``"forward"`` sampling (default; forward, input- and weight-gradient
-      GEMMs all shrink) or ``"backward"`` sampling (forward exact, both backward
-      GEMMs sampled).
+    - ``mode``: restrict every layer to one sampling mode: ``"forward"`` (forward,
+      input- and weight-gradient GEMMs all shrink), ``"backward"`` (forward exact,
+      both backward GEMMs sampled) or ``"weight_grad"`` (only the weight-gradient
+      GEMM sampled, over batch rows / tokens). ``None`` (default): the measured
+      policy chooses per layer; the other policies use ``"forward"``.
     - ``random_share``: share of top-k's kept pairs drawn at random instead, so no
       column starves (never picked, never updated); 0 gives pure top-k.
-    - ``policy``: ``"budget"`` (default) spends the FLOP budget as described in
-      ``fxapprox.passes.budget_policy``; ``"uniform"`` is the papers' recipe —
-      every eligible layer at ``keep_ratio`` (combine with ``min_channels`` for
-      "layers with ≥ N channels at ratio r"); see :meth:`paper_recipe`.
     - ``progress``: show a progress bar while the analysis passes run.
     - ``lstm_granularity``: ``"coarse"`` (default: the same kept gate columns for the
       whole batch at each step, so the backward GEMMs shrink) or ``"fine"`` (each row
@@ -111,6 +145,10 @@ class ApproxConfig:
       and step each); a multiple of 8.
     - ``activation_rounding``: ``"stochastic"`` (unbiased, default) or ``"nearest"``.
     - ``activation_min_bytes``: saved values smaller than this stay as they are.
+    - ``activation_policy``: how ``memory_budget`` picks each value's bits: ``"measured"``
+      (default: each value's gradient cost at 8/4/2 bits is measured on the example
+      batch and the budget is met with the least predicted error) or ``"width"``
+      (widest values lowered first, one step at a time: even widths).
     - ``activation_compile``: pack and unpack with ``torch.compile``d kernels (the
       first training step compiles them, ~1 min on a laptop CPU); ``False`` runs
       the same code eagerly.
@@ -127,9 +165,15 @@ class ApproxConfig:
     min_keep_ratio: float = 0.1
     min_channels: int = 16
     min_k: int = 4
-    mode: str = "forward"
+    mode: str | None = None
     random_share: float = 0.05
-    policy: str = "budget"
+    policy: str = "measured"
+    keep_ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
+    max_grad_error: float | None = 0.3
+    min_speedup: float | None = 1.05
+    measure_repeats: int = 2
+    error_draws: int = 3
+    noise_horizon: float = 30.0
     progress: bool = False
     lstm_granularity: str = "coarse"
     activation_bits: int | None = None
@@ -137,6 +181,7 @@ class ApproxConfig:
     activation_rounding: str = "stochastic"
     activation_min_bytes: int = 65536
     activation_compile: bool = True
+    activation_policy: str = "measured"
 
     def __post_init__(self) -> None:
         if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)):
@@ -157,9 +202,29 @@ class ApproxConfig:
             raise ValueError(f"min_keep_ratio ({self.min_keep_ratio}) must be <= keep_ratio ({self.keep_ratio})")
         check_int("min_channels", self.min_channels, minimum=1)
         check_int("min_k", self.min_k, minimum=1)
-        check_choice("mode", self.mode, MODES)
+        if self.mode is not None:
+            check_choice("mode", self.mode, MODES)
         check_share("random_share", self.random_share)
+        if self.policy == "budget":
+            warnings.warn('ApproxConfig(policy="budget") is now called policy="flops"', DeprecationWarning,
+                          stacklevel=3)
+            object.__setattr__(self, "policy", "flops")
         check_choice("policy", self.policy, POLICIES)
+        if isinstance(self.keep_ratios, (int, float)) or not isinstance(self.keep_ratios, (tuple, list)) \
+                or not self.keep_ratios:
+            raise TypeError(f"keep_ratios must be a non-empty tuple of keep-ratios in (0, 1), got {self.keep_ratios!r}")
+        for ratio in self.keep_ratios:
+            if check_fraction("keep_ratios entries", ratio) >= 1.0:
+                raise ValueError(f"keep_ratios entries must be in (0, 1), got {ratio!r}")
+        object.__setattr__(self, "keep_ratios", tuple(sorted(float(r) for r in set(self.keep_ratios))))
+        if self.max_grad_error is not None:
+            check_positive("max_grad_error", self.max_grad_error)
+        if self.min_speedup is not None:
+            check_positive("min_speedup", self.min_speedup)
+        check_int("measure_repeats", self.measure_repeats, minimum=1)
+        check_int("error_draws", self.error_draws, minimum=1)
+        if check_positive("noise_horizon", self.noise_horizon) < 1.0:
+            raise ValueError(f"noise_horizon must be >= 1, got {self.noise_horizon!r}")
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress must be a bool, got {self.progress!r}")
         check_choice("lstm_granularity", self.lstm_granularity, ("coarse", "fine"))
@@ -175,6 +240,7 @@ class ApproxConfig:
         check_int("activation_min_bytes", self.activation_min_bytes, minimum=0)
         if not isinstance(self.activation_compile, bool):
             raise TypeError(f"activation_compile must be a bool, got {self.activation_compile!r}")
+        check_choice("activation_policy", self.activation_policy, ("measured", "width"))
 
     @classmethod
     def paper_recipe(cls, keep_ratio: float = 0.5, min_channels: int = 64, **kwargs) -> "ApproxConfig":
@@ -187,6 +253,11 @@ class ApproxConfig:
         """
         return cls(policy="uniform", keep_ratio=keep_ratio, min_keep_ratio=min(keep_ratio, 0.1),
                    min_channels=min_channels, **kwargs)
+
+    @property
+    def candidate_modes(self) -> tuple[str, ...]:
+        """The modes the measured policy tries when ``mode`` is ``None``."""
+        return MODES
 
     def override_for(self, names: tuple[str, ...], module: nn.Module | None) -> LayerOverride | None:
         """The first override matching a layer, or ``None``."""
@@ -213,10 +284,17 @@ class ApproxConfig:
             "mode": self.mode,
             "random_share": self.random_share,
             "policy": self.policy,
+            "keep_ratios": list(self.keep_ratios),
+            "max_grad_error": self.max_grad_error,
+            "min_speedup": self.min_speedup,
+            "measure_repeats": self.measure_repeats,
+            "error_draws": self.error_draws,
+            "noise_horizon": self.noise_horizon,
             "lstm_granularity": self.lstm_granularity,
             "activation_bits": self.activation_bits,
             "activation_group_size": self.activation_group_size,
             "activation_rounding": self.activation_rounding,
             "activation_min_bytes": self.activation_min_bytes,
             "activation_compile": self.activation_compile,
+            "activation_policy": self.activation_policy,
         }

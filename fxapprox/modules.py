@@ -22,7 +22,9 @@ from fxapprox.ops.linear import backward_sampled_linear, pair_scores_linear, sam
 from fxapprox.ops.lstm import GRANULARITIES, sparse_backward_lstm_layer
 from fxapprox.ops.sampling import METHODS
 
-MODES = ("forward", "backward")
+#: where a layer is sampled: its forward product (all three GEMMs shrink), both backward GEMMs, or only the
+#: weight-gradient GEMM (forward and input gradient exact)
+MODES = ("forward", "backward", "weight_grad")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class SamplingSpec:
 
     ``mode="forward"`` samples the ``n`` reduction pairs of the forward product
     (all three GEMMs shrink); ``mode="backward"`` keeps the forward exact and
-    samples both backward GEMMs at keep-ratio ``k / n``. ``random_share`` is the
+    samples both backward GEMMs at keep-ratio ``k / n``; ``mode="weight_grad"``
+    samples only the weight-gradient GEMM (over batch rows) at that ratio. ``random_share`` is the
     share of top-k's slots drawn at random (the guard against starved columns).
     """
 
@@ -87,15 +90,16 @@ class ApproxOp:
 
 
 def _linear(spec: SamplingSpec, x, weight, bias):
-    if spec.mode == "backward":
-        return backward_sampled_linear(x, weight, bias, spec.keep_ratio, spec.method, spec.random_share)
+    if spec.mode != "forward":
+        return backward_sampled_linear(x, weight, bias, spec.keep_ratio, spec.method, spec.random_share,
+                                       sample_input_grad=spec.mode == "backward")
     return sampled_linear(x, weight, bias, spec.k, spec.method, spec.random_share)
 
 
 def _conv2d(spec: SamplingSpec, x, weight, bias, stride, padding, dilation):
-    if spec.mode == "backward":
+    if spec.mode != "forward":
         return backward_sampled_conv2d(x, weight, bias, spec.keep_ratio, stride, padding, dilation, spec.method,
-                                       spec.random_share)
+                                       spec.random_share, sample_input_grad=spec.mode == "backward")
     return sampled_conv2d(x, weight, bias, spec.k, stride, padding, dilation, spec.method, spec.random_share)
 
 

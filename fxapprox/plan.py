@@ -31,6 +31,15 @@ class LayerDecision:
     random_share: float = 0.0
     rank: int | None = None
     saved_bytes: int = 0
+    #: the measured policy's prediction of the relative model-gradient error this layer's approximation adds
+    #: (errors of different layers add in squares: ``plan.predicted_error² = Σ predicted_error²``)
+    predicted_error: float | None = None
+    #: exact op time / approximate op time, forward + backward, measured in isolation on the example batch
+    measured_speedup: float | None = None
+    #: the chosen candidate's measured relative errors: ``output``, ``input_grad``, ``weight_grad``
+    measured_errors: dict | None = None
+    #: every candidate the measured policy considered (method, mode, keep_ratio, flops, errors, speedup, …)
+    candidates: list = field(default_factory=list)
 
     @property
     def keep_ratio(self) -> float:
@@ -62,6 +71,8 @@ class SavedValueDecision:
     aliases: list = field(default_factory=list)
     sign_exact: bool = False
     compressed: bool = False
+    #: the measured memory policy's predicted model-gradient error of this value's copy
+    predicted_error: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +89,8 @@ class MemoryPlan:
     budget_met: bool
     note: str
     values: tuple[SavedValueDecision, ...] = field(default_factory=tuple)
+    #: predicted model-gradient error of the chosen widths (measured memory policy only)
+    predicted_error: float | None = None
 
     @property
     def achieved(self) -> float:
@@ -92,14 +105,14 @@ class MemoryPlan:
         return {"memory_budget": self.memory_budget, "total_exact_bytes": self.total_exact_bytes,
                 "total_planned_bytes": self.total_planned_bytes, "internal_bytes": self.internal_bytes,
                 "achieved": self.achieved, "budget_met": self.budget_met, "note": self.note,
-                "values": [v.to_dict() for v in self.values]}
+                "values": [v.to_dict() for v in self.values], "predicted_error": self.predicted_error}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MemoryPlan":
         values = tuple(SavedValueDecision(**v) for v in data["values"])
         fields = {k: data[k] for k in ("memory_budget", "total_exact_bytes", "total_planned_bytes",
                                        "internal_bytes", "budget_met", "note")}
-        return cls(values=values, **fields)
+        return cls(values=values, predicted_error=data.get("predicted_error"), **fields)
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,8 @@ class Plan:
     layers: tuple[LayerDecision, ...] = field(default_factory=tuple)
     config: dict = field(default_factory=dict)
     memory: MemoryPlan | None = None
+    #: the measured policy's predicted relative error of the model's gradient (``None`` for other policies)
+    predicted_error: float | None = None
 
     @property
     def achieved(self) -> float:
@@ -143,6 +158,7 @@ class Plan:
             "config": self.config,
             "layers": [d.to_dict() for d in self.layers],
             "memory": None if self.memory is None else self.memory.to_dict(),
+            "predicted_error": self.predicted_error,
         }
 
     @classmethod
@@ -153,4 +169,5 @@ class Plan:
         fields = {k: data[k] for k in ("budget", "method", "total_exact_flops", "total_planned_flops",
                                        "budget_met", "note", "config")}
         memory = data.get("memory")
-        return cls(layers=layers, memory=None if memory is None else MemoryPlan.from_dict(memory), **fields)
+        return cls(layers=layers, memory=None if memory is None else MemoryPlan.from_dict(memory),
+                   predicted_error=data.get("predicted_error"), **fields)

@@ -59,8 +59,9 @@ class Report:
                       caption=self._caption(), caption_justify="left")
         for name, justify in (("rank", "right"), ("layer", "left"), ("op", "left"), ("out shape", "left"),
                               ("in→out", "right"), ("train FLOPs", "right"), ("share", "right"),
-                              ("method", "left"), ("keep", "right"), ("planned", "right"),
-                              ("saved act MiB", "right"), ("why", "left")):
+                              ("method", "left"), ("mode", "left"), ("keep", "right"), ("planned", "right"),
+                              ("pred. error", "right"), ("speed-up", "right"), ("saved act MiB", "right"),
+                              ("why", "left")):
             table.add_column(name, justify=justify, overflow="fold")
         for d in plan.layers:
             style = None if plain else ("green" if d.approximate else "dim")
@@ -69,8 +70,10 @@ class Report:
                 str(d.rank) if d.rank is not None else "-", d.target, d.op_kind or "-",
                 "x".join(map(str, d.shape)) if d.shape and all(isinstance(s, int) for s in d.shape) else "-",
                 channels, _flops(d.exact_flops), f"{d.exact_flops / total:.1%}",
-                d.method or "exact", f"{d.keep_ratio:.2f}" if d.approximate else "1",
-                _flops(d.planned_flops), _bytes(d.saved_bytes), d.reason, style=style)
+                d.method or "exact", d.mode or "-", f"{d.keep_ratio:.2f}" if d.approximate else "1",
+                _flops(d.planned_flops), "-" if d.predicted_error is None else f"{d.predicted_error:.3f}",
+                "-" if d.measured_speedup is None else f"{d.measured_speedup:.2f}x", _bytes(d.saved_bytes), d.reason,
+                style=style)
         return table
 
     def _memory_table(self, plain: bool) -> Table | None:
@@ -99,10 +102,14 @@ class Report:
 
     def _caption(self) -> str:
         plan = self.plan
+        error = "" if plan.predicted_error is None else (
+            f" | predicted model-gradient error {plan.predicted_error:.3f}"
+            + (f" (max_grad_error {plan.config['max_grad_error']:g})" if plan.config.get("max_grad_error") else ""))
         return (f"training FLOPs (fwd+bwd) exact {_flops(plan.total_exact_flops)}, planned "
                 f"{_flops(plan.total_planned_flops)} | budget asked {plan.budget:g}, achieved "
                 f"{plan.achieved:.3f} ({'met' if plan.budget_met else 'NOT met'}) | "
-                f"{len(plan.approximated)}/{len(plan.layers)} layers sampled ({plan.method})\n{plan.note}")
+                f"{len(plan.approximated)}/{len(plan.layers)} layers sampled ({plan.method}, "
+                f"{plan.config.get('policy', 'flops')} policy){error}\n{plan.note}")
 
     def __str__(self) -> str:
         buffer = io.StringIO()

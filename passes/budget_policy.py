@@ -1,257 +1,457 @@
-"""Pass 4 — budget policy: turn ``budget`` into an explicit, serialisable plan.
+"""Pass 4c — budget policy: turn ``budget`` into an explicit, serialisable plan.
 
 ``budget`` is the fraction of the exact model's training-step FLOPs (forward +
 backward, as measured by the flops pass) the approximated model may spend.
-Sampling a layer at keep-ratio ``k/n`` multiplies its *sampled* FLOPs by
-``k/n``: all of its training FLOPs in forward mode (the three GEMMs shrink),
-its backward FLOPs in backward mode (the forward stays exact).
+The policy reads what the candidates pass (and, for the measured policy, the
+measurement pass) wrote into ``node.meta["fxapprox"]`` and runs in four phases,
+one function each:
 
-The policy:
+1. :func:`_layers_and_totals` — the nodes the plan lists and the FLOP target;
+2. a policy (``config.policy``) chooses, for each layer, one candidate or none,
+   with the reason:
 
-1. decides which layers *can* be sampled, writing the reason for every layer
-   that cannot (no sampled op for it, grouped conv, fewer than
-   ``min_channels`` pairs, excluded by an override, ...);
-2. applies overrides that pin a keep-ratio;
-3. walks the ranking (biggest, widest layers first) sampling each layer at the
-   preferred ``keep_ratio`` until the budget is met, raising the last layer's
-   ratio so that no more is cut than needed; the layers it did not need stay
-   exact ("not needed");
-4. if even every eligible layer at ``keep_ratio`` is not enough, lowers one
-   common ratio for all of them, never below ``min_keep_ratio``; if the budget
-   is still out of reach, the plan says what was achieved and why.
+   * ``"measured"`` (:func:`_measured_choices`): a layer's options are "exact"
+     and its candidates that were measured at least ``min_speedup`` faster than
+     the exact op. Each option's predicted error is what it adds to the model's
+     gradient error (:func:`predicted_contribution`). Options are reduced to
+     each layer's lower convex hull of (FLOPs saved, error), and the hull steps
+     of all layers are taken in order of least error per FLOP saved until the
+     budget is met (the greedy solution of the multiple-choice knapsack),
+     skipping steps that would take the predicted model-gradient error past
+     ``max_grad_error``;
+   * ``"flops"`` (:func:`_flops_choices`): the FLOP-ranked walk at the preferred
+     ``keep_ratio``, then one common ratio lowered to ``min_keep_ratio``;
+   * ``"uniform"`` (:func:`_uniform_choices`): every eligible layer at ``keep_ratio``;
 
-With ``policy="uniform"`` steps 3–4 are replaced by the papers' recipe: every
-eligible layer at ``keep_ratio``; the budget is then only reported against.
+3. :func:`_decisions` — one :class:`~fxapprox.plan.LayerDecision` per layer;
+4. :func:`_note` — the totals and, when the budget is not met, why.
+
+**Predicted error.** A layer approximated in isolation changes its output by a
+relative ``e_out``, its input gradient by ``e_in`` and its weight gradient by
+``e_w`` (measured on the example batch; noise already discounted over
+``noise_horizon`` steps, see ``measure_candidates``). The model-gradient error
+is the root-mean-square, over the model's ``N`` parameterised nodes, of each
+one's relative gradient error, and errors of different layers add in squares:
+
+* **backward and weight-gradient sampling** bias or blur the gradient of the
+  exact model: ``e_w`` lands in the layer's own gradient; the input-gradient
+  error ``e_in·‖dX‖`` reaches the parameterised nodes first met upstream, as a
+  relative error of ``e_in·‖dX‖ / ‖dY_a‖`` each (capped at ``e_in``). The
+  candidate adds ``(e_w² + W_in·e_in²) / N`` with
+  ``W_in = Σ_a min(1, (‖dX‖ / ‖dY_a‖)²)``. Further upstream the error is merged
+  into larger gradients (a residual stream) and is not counted: with every
+  upstream node counted in full, the prediction ranked backward sampling far
+  below weight-gradient sampling, which training did not bear out;
+* **forward sampling** trains a smaller network consistently — its input and
+  weight gradients are the exact gradients of the sampled forward — and pays
+  with the gap between that forward and the exact one that evaluation runs,
+  which training narrows (the weights adapt to the sampled forward): it adds
+  ``FORWARD_DISCOUNT · e_out² / N``, the discount ``1/3``.
+
+This is a first-order model measured at the example batch's weights. The two
+constants (``noise_horizon`` 30, the forward discount 1/3) were fitted to eleven
+fixed plans trained on the char transformer (BENCHMARKS.md, "planner"): there
+the predicted errors rank the plans' loss increases with one exception. On the
+MLP of ``bench_planner.py`` forward sampling costs more than the model says
+(60 steps leave little time to adapt).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
+import networkx as nx
 import torch.fx
 
 from fxapprox.config import ApproxConfig
-from fxapprox.modules import lstm_blocker, resolve_conv_padding
+from fxapprox.op_kinds import handler_for, kept_count
 from fxapprox.plan import LayerDecision, Plan
+from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta, train_flops
-from fxapprox.passes.graph_view import target_name
-from fxapprox.passes.rank import SAMPLEABLE_KINDS
+from fxapprox.passes.candidates import enumerate_candidates, parameterised, planned_layers
+from fxapprox.passes.graph_view import target_name, to_networkx
 
 _TOLERANCE = 1e-9
 
 
-def _names(node: torch.fx.Node) -> tuple[str, ...]:
-    names = [node.name]
-    if isinstance(node.target, str):
-        names.append(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        scope = list(stack.values())[-1][0]
-        if scope:
-            names.append(f"{scope}.{node.name}")
-    return tuple(dict.fromkeys(names))
+@dataclass
+class _Choice:
+    """A policy's decision for one layer: the candidate dict (or ``None``: exact) and why."""
+
+    candidate: dict | None
+    reason: str
+    predicted_error: float | None = None
 
 
-def _module(gm: torch.fx.GraphModule, node: torch.fx.Node):
-    return gm.get_submodule(node.target) if node.op == "call_module" else None
+# -- phase 1 -------------------------------------------------------------------------------------------------
+def _layers_and_totals(gm: torch.fx.GraphModule, budget: float) -> tuple[list[torch.fx.Node], int, float]:
+    layers = planned_layers(gm)
+    total = sum(train_flops(n) for n in gm.graph.nodes)
+    return layers, total, budget * total
 
 
-def _blocker(node: torch.fx.Node, meta: dict, config: ApproxConfig, calls: Counter) -> str | None:
-    """Why ``node`` cannot be sampled, or ``None`` when it can."""
-    kind = meta.get("op_kind")
-    if kind in ("gru", "rnn"):
-        return f"recurrent layer ({meta.get('module_type')}): no sparse-backward version yet"
-    if kind is None:
-        if node.op == "call_module":
-            return f"opaque leaf module ({meta.get('module_type')}): its inside is not traced"
-        return f"{target_name(node)}: no sampled version of this op"
-    if kind not in SAMPLEABLE_KINDS:
-        return f"{meta.get('module_type', kind)}: only Linear, Conv2d, LSTM, linear, conv2d and matmul are sampled"
-    if kind in ("linear_fn", "conv2d_fn", "matmul") and not meta.get("parameter_operand"):
-        return "no parameter operand (both operands are activations)"
-    if kind == "conv2d_fn" and not meta.get("numeric_padding", True):
-        return "functional conv2d with string or traced padding: not sampled"
-    if kind in ("conv2d", "conv2d_fn"):
-        groups = meta.get("groups", 1)
-        if groups == meta.get("in_channels") and groups > 1:
-            return "depthwise conv (groups == in_channels): one channel per group, nothing to sample"
-        if groups is None:
-            return "functional conv2d with traced groups: not sampled"
-        if groups != 1:
-            return f"grouped conv (groups={groups}): channel sampling per group not supported"
-    if node.op == "call_module" and calls[node.target] > 1:
-        return f"module called at {calls[node.target]} places: a shared module stays exact"
-    n = meta.get("reduction_size") or 0
-    if n < config.min_channels:
-        return f"reduces over {n} channels < min_channels={config.min_channels}"
-    if train_flops(node) == 0:
-        return "no FLOPs measured (not executed on the example inputs)"
-    return None
+def _saving(node: torch.fx.Node, candidate: dict) -> int:
+    return train_flops(node) - candidate["flops"]
 
 
-def _k_at(ratio: float, n: int) -> int:
-    return max(1, min(n, math.floor(ratio * n + _TOLERANCE)))
+# -- phase 2: measured ---------------------------------------------------------------------------------------
+def _share(part: float | None, whole: float | None) -> float:
+    """``min(1, (part / whole)²)``: how much of a relative error of ``part`` reaches a tensor of norm ``whole``
+    (1 when a norm is unknown: the conservative bound)."""
+    if part is None or whole is None or whole <= 0.0:
+        return 1.0
+    return min(1.0, (part / whole) ** 2)
+
+
+def _nearest_owners(graph: nx.DiGraph, sources: list[str], owners: dict) -> set[str]:
+    """The parameterised nodes first reached going upstream from ``sources`` (a source itself included)."""
+    found, seen, frontier = set(), set(), list(sources)
+    while frontier:
+        name = frontier.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in owners:
+            found.add(name)
+            continue
+        frontier.extend(graph.predecessors(name))
+    return found
+
+
+def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str, float], int]:
+    """``({node: input-gradient weight}, N parameterised nodes)``; see the module docstring.
+
+    The weight sums, over the parameterised nodes first reached upstream of the node's activation
+    inputs, ``min(1, (‖dX_node‖ / ‖dY_owner‖)²)`` (norms from the measurement pass; 1 when unknown).
+    ``nodes``: the nodes to weigh (default: every approximable layer).
+    """
+    graph = to_networkx(gm)
+    owners = {n.name: fx_meta(n).get("norms", {}) for n in gm.graph.nodes if parameterised(gm, n)}
+    weights: dict[str, float] = {}
+    if nodes is None:
+        nodes = [n for n in gm.graph.nodes if handler_for(fx_meta(n)) is not None]
+    for node in nodes:
+        handler = handler_for(fx_meta(node))
+        norms = fx_meta(node).get("norms", {})
+        if handler is not None:
+            weight_positions = set(handler.gradient_operands(gm, node)[0])
+        else:   # any other node: its parameter operands are its weights
+            weight_positions = {i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)
+                                and a.op == "get_attr" and parameterised(gm, a)}
+        sources = [a.name for i, a in enumerate(node.args)
+                   if isinstance(a, torch.fx.Node) and i not in weight_positions]
+        sources += [a.name for a in node.kwargs.values() if isinstance(a, torch.fx.Node)]
+        weights[node.name] = sum(_share(norms.get("input_grad"), owners[a].get("output_grad"))
+                                 for a in _nearest_owners(graph, sources, owners))
+    return weights, max(1, len(owners))
+
+
+#: forward sampling's output mismatch counts a third as much as a gradient's bias of the same size: a network
+#: trained with the sampled forward adapts to it (calibrated on the char transformer, see BENCHMARKS.md)
+FORWARD_DISCOUNT = 1 / 3
+
+
+def predicted_contribution(errors: dict, input_weight: float, owners: int, mode: str = "backward") -> float:
+    """A candidate's share of the squared model-gradient error (see the module docstring)."""
+    if mode == "forward":
+        return FORWARD_DISCOUNT * errors.get("output", 0.0) ** 2 / owners
+    return (errors.get("weight_grad", 0.0) ** 2 + input_weight * errors.get("input_grad", 0.0) ** 2) / owners
+
+
+def _describe(candidate: dict) -> str:
+    speed = "" if candidate.get("speedup") is None else f", {candidate['speedup']:.2f}x faster"
+    return (f"{candidate['mode']} {candidate['method']} at keep {candidate['keep_ratio']:.2f} "
+            f"(predicted error {candidate['predicted_error']:.3f}{speed})")
+
+
+def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
+    weights, owners = propagation_weights(gm)
+    choices: dict = {}
+    usable: dict = {}
+    pinned: dict = {}
+    for node in layers:
+        meta = fx_meta(node)
+        if meta.get("blocker"):
+            choices[node] = _Choice(None, meta["blocker"])
+            continue
+        measured = [c for c in meta.get("candidates", []) if c["blocked"] is None and "errors" in c]
+        for candidate in measured:
+            candidate["contribution"] = predicted_contribution(candidate["errors"], weights.get(node.name, 0.0),
+                                                               owners, candidate["mode"])
+            candidate["predicted_error"] = math.sqrt(candidate["contribution"])
+        fast = [c for c in measured if config.min_speedup is None or
+                (c.get("speedup") is not None and c["speedup"] >= config.min_speedup)]
+        if meta.get("pinned_ratio") is not None:
+            if measured:
+                best = min(fast or measured, key=lambda c: c["contribution"])
+                pinned[node] = best
+                choices[node] = _Choice(best, f"keep-ratio pinned by override {meta['pinned_by']}: {_describe(best)}",
+                                        best["predicted_error"])
+            else:
+                choices[node] = _Choice(None, f"keep-ratio {meta['pinned_ratio']:g} pinned by override "
+                                              f"{meta['pinned_by']}, but "
+                                        + _why_no_candidate(meta, measured, config))
+            continue
+        if not fast:
+            choices[node] = _Choice(None, _why_no_candidate(meta, measured, config))
+            continue
+        usable[node] = fast
+    fixed_saving = sum(_saving(n, c) for n, c in pinned.items())
+    fixed_error = sum(c["contribution"] for c in pinned.values())
+    needed = max(0.0, total - target - fixed_saving)
+    free = [n for n in layers if n in usable]
+    cap = None
+    if config.max_grad_error is not None:
+        cap = math.sqrt(max(config.max_grad_error ** 2 - fixed_error, 0.0))
+    if budget >= 1.0:
+        for node in free:
+            choices[node] = _Choice(None, "budget 1.0: exact training requested")
+        summary.update(squared_error=fixed_error, uncapped_error=None, capped=False)
+        return choices
+    for node in free:
+        for candidate in usable[node]:
+            candidate["saving"] = _saving(node, candidate)
+    chosen, _, squared, capped = least_error_allocation(free, usable, needed, cap)
+    # The same allocation without the tolerance: what meeting the budget would cost (for the note).
+    _, uncapped_saved, uncapped_squared, _ = least_error_allocation(free, usable, needed, None)
+    summary.update(squared_error=fixed_error + squared, capped=bool(capped),
+                   uncapped_error=math.sqrt(fixed_error + uncapped_squared),
+                   uncapped_reachable=uncapped_saved >= needed - _TOLERANCE)
+    for node in free:
+        candidate = chosen.get(node)
+        if candidate is not None:
+            choices[node] = _Choice(candidate, f"least error per FLOP saved: {_describe(candidate)}",
+                                    candidate["predicted_error"])
+        elif node in capped:
+            best = min(usable[node], key=lambda c: c["contribution"])
+            choices[node] = _Choice(None, f"max_grad_error={config.max_grad_error:g} reached: its best candidate "
+                                          f"would add error {best['predicted_error']:.3f}")
+        else:
+            choices[node] = _Choice(None, "not needed: layers with less error per FLOP saved meet the budget")
+    return choices
+
+
+def _why_no_candidate(meta: dict, measured: list, config: ApproxConfig) -> str:
+    candidates = meta.get("candidates", [])
+    if not candidates:
+        return "no candidate on the keep-ratio grid keeps fewer pairs than it has"
+    if not measured:
+        blocked = Counter(c["blocked"] for c in candidates if c["blocked"])
+        return "no candidate fits: " + "; ".join(reason for reason, _ in blocked.most_common(2))
+    speeds = [c["speedup"] for c in measured if c.get("speedup") is not None]
+    best = max(speeds) if speeds else 0.0
+    return f"no candidate measured faster than exact (best {best:.2f}x < min_speedup={config.min_speedup:g})"
+
+
+# -- phase 2: FLOP-ranked walk and uniform recipe -----------------------------------------------------------
+def _single_mode(meta: dict) -> str:
+    """The one mode of the FLOP and uniform policies: the configured one (the candidates pass left only it),
+    else forward sampling where the kind offers it."""
+    modes = meta.get("allowed_modes") or ["forward"]
+    return "forward" if "forward" in modes else modes[0]
+
+
+def _flops_candidate(node: torch.fx.Node, meta: dict, mode: str, method: str, k: int) -> dict:
+    handler = handler_for(meta)
+    n = meta["reduction_size"]
+    return {"method": method, "mode": mode, "keep_ratio": k / n, "k": k, "n": n,
+            "flops": handler.candidate_flops(meta, mode, k / n)}
+
+
+def _fixed_ratio_layers(layers, config: ApproxConfig, method: str, choices: dict) -> tuple[list, dict]:
+    """Layers the FLOP and uniform policies may sample (with mode and method), after blockers and pins."""
+    free, settings = [], {}
+    for node in layers:
+        meta = fx_meta(node)
+        if meta.get("blocker"):
+            choices[node] = _Choice(None, meta["blocker"])
+            continue
+        mode = _single_mode(meta)
+        chosen_method = meta["single_method"]
+        settings[node] = (mode, chosen_method)
+        handler = handler_for(meta)
+        blocker = handler.mode_blocker(meta, mode, meta.get("pinned_ratio") or config.keep_ratio, 1,
+                                       config.min_channels)
+        if blocker is not None:
+            choices[node] = _Choice(None, blocker)
+            continue
+        if meta.get("pinned_ratio") is not None:
+            n = meta["reduction_size"]
+            k = kept_count(meta["pinned_ratio"], n)
+            if k < n:
+                choices[node] = _Choice(_flops_candidate(node, meta, mode, chosen_method, k),
+                                        f"keep-ratio pinned by override {meta['pinned_by']}")
+            else:
+                choices[node] = _Choice(None, f"keep-ratio 1.0 pinned by override {meta['pinned_by']}")
+            continue
+        free.append(node)
+    return free, settings
+
+
+def _uniform_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
+    choices: dict = {}
+    free, settings = _fixed_ratio_layers(layers, config, summary["method"], choices)
+    for node in free:
+        meta = fx_meta(node)
+        n = meta["reduction_size"]
+        k = kept_count(config.keep_ratio, n)
+        mode, method = settings[node]
+        blocker = handler_for(meta).mode_blocker(meta, mode, k / n, config.min_k, config.min_channels)
+        if budget >= 1.0:
+            choices[node] = _Choice(None, "budget 1.0: exact training requested")
+        elif k >= n:
+            choices[node] = _Choice(None, f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs")
+        elif blocker is not None:
+            choices[node] = _Choice(None, blocker)
+        else:
+            choices[node] = _Choice(_flops_candidate(node, meta, mode, method, k),
+                                    f"uniform recipe: keep-ratio {config.keep_ratio:g} for >= {config.min_channels} "
+                                    "channels")
+    return choices
+
+
+def _flops_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
+    choices: dict = {}
+    free, settings = _fixed_ratio_layers(layers, config, summary["method"], choices)
+    free.sort(key=lambda n: fx_meta(n).get("rank", math.inf))
+    chosen_k = {n: c.candidate["k"] for n, c in choices.items() if c.candidate is not None}
+
+    def candidate(node, k):
+        mode, method = settings.get(node) or (choices[node].candidate["mode"], choices[node].candidate["method"])
+        return _flops_candidate(node, fx_meta(node), mode, method, k)
+
+    def saving(node, k) -> float:
+        return train_flops(node) - candidate(node, k)["flops"]
+
+    needed = total - target
+    saved = sum(saving(n, k) for n, k in chosen_k.items())
+    walked: list = []
+    if budget >= 1.0:
+        for node in free:
+            choices[node] = _Choice(None, "budget 1.0: exact training requested")
+        return choices
+    for node in free:
+        meta = fx_meta(node)
+        n = meta["reduction_size"]
+        k = kept_count(config.keep_ratio, n)
+        if saved >= needed - _TOLERANCE:
+            choices[node] = _Choice(None, "not needed: higher-ranked layers already meet the budget")
+            continue
+        blocker = handler_for(meta).mode_blocker(meta, settings[node][0], k / n, config.min_k, config.min_channels)
+        if k >= n:
+            choices[node] = _Choice(None, f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs")
+            continue
+        if blocker is not None:
+            choices[node] = _Choice(None, blocker)
+            continue
+        walked.append(node)
+        chosen_k[node] = k
+        saved += saving(node, k)
+        choices[node] = _Choice(None, f"rank {meta['rank']}: sampled at the preferred keep-ratio")
+    if walked and saved > needed + _TOLERANCE:
+        last = walked[-1]
+        n = fx_meta(last)["reduction_size"]
+        before = saved - saving(last, chosen_k[last])
+        k = chosen_k[last]
+        while k + 1 < n and before + saving(last, k + 1) >= needed - _TOLERANCE:
+            k += 1
+        chosen_k[last] = k
+        saved = before + saving(last, k)
+        choices[last] = _Choice(None, f"rank {fx_meta(last)['rank']}: keep-ratio raised to {k / n:.3f} so no more is "
+                                      "cut than the budget needs")
+    elif walked and saved < needed - _TOLERANCE:
+        # Phase 4 of the walk: one common ratio for every walked layer, lowered step by step.
+        ratio = config.keep_ratio
+        fixed = saved - sum(saving(n, chosen_k[n]) for n in walked)
+        while True:
+            for node in walked:
+                n = fx_meta(node)["reduction_size"]
+                k = max(kept_count(ratio, n), math.ceil(config.min_keep_ratio * n - _TOLERANCE), config.min_k)
+                chosen_k[node] = min(k, n)
+            saved = fixed + sum(saving(n, chosen_k[n]) for n in walked)
+            if saved >= needed - _TOLERANCE or ratio <= config.min_keep_ratio:
+                break
+            ratio = max(config.min_keep_ratio, ratio - 0.005)
+        for node in walked:
+            choices[node] = _Choice(None, f"rank {fx_meta(node)['rank']}: common keep-ratio lowered to {ratio:.3f} to "
+                                          "meet the budget")
+    for node in walked:
+        n = fx_meta(node)["reduction_size"]
+        if chosen_k[node] < n:
+            choices[node].candidate = candidate(node, chosen_k[node])
+    return choices
+
+
+_POLICIES = {"measured": _measured_choices, "flops": _flops_choices, "uniform": _uniform_choices}
+
+
+# -- phase 3 -------------------------------------------------------------------------------------------------
+def _public_candidate(candidate: dict) -> dict:
+    return {key: candidate.get(key) for key in ("method", "mode", "keep_ratio", "k", "n", "flops", "blocked",
+                                                "errors", "bias", "noise", "speedup", "seconds", "predicted_error")}
+
+
+def _decisions(gm, layers, choices: dict, config: ApproxConfig, measured: bool) -> list[LayerDecision]:
+    decisions = []
+    for node in layers:
+        meta = fx_meta(node)
+        choice = choices[node]
+        candidate = choice.candidate
+        exact = train_flops(node)
+        approximate = candidate is not None
+        method = candidate["method"] if approximate else None
+        decision = LayerDecision(
+            node=node.name, target=target_name(node), op_kind=meta.get("op_kind"), shape=meta.get("shape"),
+            in_channels=meta.get("in_channels"), out_channels=meta.get("out_channels"), exact_flops=exact,
+            planned_flops=int(candidate["flops"]) if approximate else exact, approximate=approximate,
+            reason=choice.reason, method=method, mode=candidate["mode"] if approximate else None,
+            k=candidate["k"] if approximate else None, n=candidate["n"] if approximate else None,
+            random_share=config.random_share if approximate and method == "topk" and meta.get("op_kind") != "lstm"
+            else 0.0,
+            rank=meta.get("rank"), saved_bytes=int(meta.get("saved_bytes", 0)),
+            predicted_error=(choice.predicted_error if approximate else 0.0) if measured else None,
+            measured_speedup=candidate.get("speedup") if approximate else None,
+            measured_errors=candidate.get("errors") if approximate else None,
+            candidates=[_public_candidate(c) for c in meta.get("candidates", [])] if measured else [])
+        meta["plan"] = decision.to_dict()
+        decisions.append(decision)
+    return decisions
 
 
 def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
                 config: ApproxConfig | None = None) -> Plan:
-    """Make the plan for ``gm`` (analysed and ranked) under ``budget``.
+    """Make the plan for ``gm`` (analysed, ranked; measured for the measured policy) under ``budget``.
 
     Writes each layer's decision to ``node.meta["fxapprox"]["plan"]`` and returns the :class:`Plan`.
+    Runs ``enumerate_candidates`` first when it has not run yet.
 
     Example::
 
-        >>> plan = plan_budget(gm, 0.5, "topk")
+        >>> plan = plan_budget(gm, 0.5, "topk", ApproxConfig(policy="flops"))
         >>> plan.budget_met, round(plan.achieved, 2)
         (True, 0.5)
     """
     config = config or ApproxConfig()
-    nodes = list(gm.graph.nodes)
-    total = sum(train_flops(n) for n in nodes)
-    target = budget * total
-    calls = Counter(n.target for n in nodes if n.op == "call_module")
-    layers = [n for n in nodes if n.op in ("call_module", "call_function", "call_method")
-              and (train_flops(n) > 0 or fx_meta(n).get("op_kind") is not None)]
-
-    reasons: dict[torch.fx.Node, str] = {}
-    chosen_k: dict[torch.fx.Node, int] = {}
-    methods: dict[torch.fx.Node, str] = {}
-    modes: dict[torch.fx.Node, str] = {}
-    pinned: set[torch.fx.Node] = set()
-    candidates: list[torch.fx.Node] = []
-
-    for node in layers:
-        meta = fx_meta(node)
-        blocker = _blocker(node, meta, config, calls)
-        if blocker is None and meta.get("op_kind") == "conv2d" and resolve_conv_padding(_module(gm, node)) is None:
-            blocker = "asymmetric 'same' padding (even kernel): not sampled"
-        if blocker is None and meta.get("op_kind") == "lstm":
-            blocker = lstm_blocker(_module(gm, node))
-        override = config.override_for(_names(node), _module(gm, node))
-        if blocker is None and override is not None and override.exclude:
-            blocker = f"excluded by override {override.describe()}"
-        if blocker is not None:
-            reasons[node] = blocker
-            continue
-        methods[node] = (override.method if override and override.method else method)
-        modes[node] = (override.mode if override and override.mode else config.mode)
-        if meta.get("op_kind") == "lstm":
-            # An LSTM keeps its forward exact and the top-k gate-gradient columns in backward.
-            methods[node], modes[node] = "topk", "backward"
-        n = meta["reduction_size"]
-        if override is not None and override.keep_ratio is not None:
-            k = _k_at(override.keep_ratio, n)
-            if k < n:
-                chosen_k[node] = k
-                reasons[node] = f"keep-ratio pinned by override {override.describe()}"
-            else:
-                reasons[node] = f"keep-ratio 1.0 pinned by override {override.describe()}"
-            pinned.add(node)
-            continue
-        candidates.append(node)
-
-    candidates.sort(key=lambda n: fx_meta(n).get("rank", math.inf))
-
-    def sampled_flops(node: torch.fx.Node) -> int:
-        return train_flops(node) if modes[node] == "forward" else int(fx_meta(node).get("flops_bwd", 0))
-
-    def saving(node: torch.fx.Node, k: int) -> float:
-        return (1.0 - k / fx_meta(node)["reduction_size"]) * sampled_flops(node)
-
-    needed = total - target
-    saved = sum(saving(n, k) for n, k in chosen_k.items())
-    walked: list[torch.fx.Node] = []
-    if budget >= 1.0:
-        for node in candidates:
-            reasons[node] = "budget 1.0: exact training requested"
-    elif config.policy == "uniform":
-        for node in candidates:
-            n = fx_meta(node)["reduction_size"]
-            k = _k_at(config.keep_ratio, n)
-            if k < config.min_k:
-                reasons[node] = f"k={k} at keep-ratio {config.keep_ratio:g} < min_k={config.min_k}"
-            elif k >= n:
-                reasons[node] = f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs"
-            else:
-                chosen_k[node] = k
-                reasons[node] = f"uniform recipe: keep-ratio {config.keep_ratio:g} for >= {config.min_channels} channels"
-    else:
-        # Phase 3 of the docstring: rank order at the preferred keep-ratio.
-        for node in candidates:
-            n = fx_meta(node)["reduction_size"]
-            k = _k_at(config.keep_ratio, n)
-            if saved >= needed - _TOLERANCE:
-                reasons[node] = "not needed: higher-ranked layers already meet the budget"
-                continue
-            if k < config.min_k:
-                reasons[node] = f"k={k} at keep-ratio {config.keep_ratio:g} < min_k={config.min_k}"
-                continue
-            if k >= n:
-                reasons[node] = f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs"
-                continue
-            walked.append(node)
-            chosen_k[node] = k
-            saved += saving(node, k)
-            reasons[node] = f"rank {fx_meta(node)['rank']}: sampled at the preferred keep-ratio"
-        if walked and saved > needed + _TOLERANCE:
-            last = walked[-1]
-            n = fx_meta(last)["reduction_size"]
-            before = saved - saving(last, chosen_k[last])
-            ratio = 1.0 - (needed - before) / sampled_flops(last)
-            chosen_k[last] = max(chosen_k[last], _k_at(ratio, n))
-            saved = before + saving(last, chosen_k[last])
-            reasons[last] = (f"rank {fx_meta(last)['rank']}: keep-ratio raised to cut no more than the budget needs"
-                             if chosen_k[last] < n else "not needed: higher-ranked layers already meet the budget")
-        elif walked and saved < needed - _TOLERANCE:
-            # Phase 4: one common, lower ratio for every walked layer.
-            fixed = sum(saving(n, chosen_k[n]) for n in pinned if n in chosen_k)
-            walked_flops = sum(sampled_flops(n) for n in walked)
-            ratio = max(config.min_keep_ratio, 1.0 - (needed - fixed) / walked_flops)
-            while True:
-                for node in walked:
-                    n = fx_meta(node)["reduction_size"]
-                    k = max(_k_at(ratio, n), math.ceil(config.min_keep_ratio * n - _TOLERANCE), config.min_k)
-                    chosen_k[node] = min(k, n)
-                saved = fixed + sum(saving(n, chosen_k[n]) for n in walked)
-                if saved >= needed - _TOLERANCE or ratio <= config.min_keep_ratio:
-                    break
-                ratio = max(config.min_keep_ratio, ratio - 0.005)
-            for node in walked:
-                reasons[node] = f"rank {fx_meta(node)['rank']}: common keep-ratio lowered to {ratio:.3f} to meet the budget"
-
-    decisions = []
-    planned_total = total
-    for node in layers:
-        meta = fx_meta(node)
-        exact = train_flops(node)
-        k = chosen_k.get(node)
-        n = meta.get("reduction_size")
-        approximate = k is not None and k < n
-        planned = exact
-        if approximate:
-            planned = round(exact - (1.0 - k / n) * sampled_flops(node))
-        planned_total -= exact - planned
-        decision = LayerDecision(
-            node=node.name, target=target_name(node), op_kind=meta.get("op_kind"), shape=meta.get("shape"),
-            in_channels=meta.get("in_channels"), out_channels=meta.get("out_channels"), exact_flops=exact,
-            planned_flops=planned, approximate=approximate, reason=reasons[node],
-            method=methods.get(node) if approximate else None, mode=modes.get(node) if approximate else None,
-            k=k if approximate else None, n=n if approximate else None,
-            random_share=config.random_share if approximate and methods[node] == "topk"
-            and meta.get("op_kind") != "lstm" else 0.0,
-            rank=meta.get("rank"), saved_bytes=int(meta.get("saved_bytes", 0)))
-        meta["plan"] = decision.to_dict()
-        decisions.append(decision)
-
+    layers, total, target = _layers_and_totals(gm, budget)
+    if any("candidates" not in fx_meta(n) for n in layers):
+        enumerate_candidates(gm, method, config)
+    summary: dict = {"method": method}
+    choices = _POLICIES[config.policy](gm, layers, budget, total, target, config, summary)
+    measured = config.policy == "measured"
+    decisions = _decisions(gm, layers, choices, config, measured)
+    planned_total = total - sum(d.exact_flops - d.planned_flops for d in decisions)
     budget_met = planned_total <= target + 0.5 or budget >= 1.0
-    note = _note(budget, total, planned_total, budget_met, decisions, config)
+    predicted = math.sqrt(summary.get("squared_error", 0.0)) if measured else None
+    note = _note(budget, total, planned_total, budget_met, decisions, config, summary, predicted)
     return Plan(budget=budget, method=method, total_exact_flops=int(total),
                 total_planned_flops=int(planned_total), budget_met=budget_met, note=note,
-                layers=tuple(decisions), config=config.to_dict())
+                layers=tuple(decisions), config=config.to_dict(), predicted_error=predicted)
 
 
-def _note(budget, total, planned, met, decisions, config) -> str:
+# -- phase 4 -------------------------------------------------------------------------------------------------
+def _note(budget, total, planned, met, decisions, config, summary, predicted) -> str:
     achieved = planned / total if total else 1.0
     if total == 0:
         return "the model does no measured FLOPs: nothing to approximate"
@@ -262,11 +462,21 @@ def _note(budget, total, planned, met, decisions, config) -> str:
         return (f"uniform recipe (keep-ratio {config.keep_ratio:g} for layers with >= {config.min_channels} "
                 f"channels): {sampled} layer(s) sampled, planned {achieved:.3f} of exact training FLOPs; "
                 f"budget {budget:g} {'met' if met else 'not met'}")
+    error = "" if predicted is None else f", predicted model-gradient error {predicted:.3f}"
     if met:
-        return f"budget {budget:g} met: {sampled} layer(s) sampled, planned {achieved:.3f} of exact training FLOPs"
+        return (f"budget {budget:g} met: {sampled} layer(s) sampled, planned {achieved:.3f} of exact training "
+                f"FLOPs{error}")
+    if config.policy == "measured" and summary.get("capped"):
+        at_budget = (f"meeting budget {budget:g} would take it to {summary['uncapped_error']:.3f}"
+                     if summary.get("uncapped_reachable") else
+                     f"even without the tolerance the measured candidates reach only part of budget {budget:g}")
+        return (f"budget {budget:g} not reachable within max_grad_error={config.max_grad_error:g}: the least-error "
+                f"plan within it spends {achieved:.3f} of exact training FLOPs{error}; {at_budget}. "
+                f"{achieved:.3f} is the lowest budget this model reaches within the tolerance")
     exact_share = sum(d.exact_flops for d in decisions if not d.approximate) / total
     blockers = Counter(d.reason.split(":")[0] for d in decisions if not d.approximate)
     top = "; ".join(f"{reason} ({count})" for reason, count in blockers.most_common(3))
-    return (f"budget {budget:g} not reachable: achieved {achieved:.3f}. {exact_share:.0%} of training FLOPs "
-            f"are in layers that stay exact ({top or 'none'}), and sampled layers stop at "
-            f"min_keep_ratio={config.min_keep_ratio:g}")
+    tail = ("every layer's candidates are used at their lowest keep-ratio" if config.policy == "measured"
+            else f"sampled layers stop at min_keep_ratio={config.min_keep_ratio:g}")
+    return (f"budget {budget:g} not reachable: achieved {achieved:.3f}{error}. {exact_share:.0%} of training FLOPs "
+            f"are in layers that stay exact ({top or 'none'}), and {tail}")

@@ -12,11 +12,14 @@ ops (``relu_``) alias it — so a tensor is never kept both exact and compressed
    bit-packed losslessly.
 2. A value every saver of which only asks ``value > 0`` (a ReLU saving its own
    result, nothing else) becomes a 1-bit mask: lossless, so it goes first.
-3. Then, until the planned total fits the budget, the policy lowers the value
-   with the most bits left (largest first) by one step: exact → 8 → 4 → 2.
-   This keeps the widths as even as possible: at ``memory_budget=0.25`` most
-   values of an fp32 model end at 8 bits; at 0.125 at 4 bits, with the largest
-   few at 2 bits because the per-group scale and offset cost 1/8 bit.
+3. Then the bits of the others. With ``activation_policy="measured"`` (default)
+   each value's cost at 8, 4 and 2 bits has been measured on the example batch
+   (``passes/measure_saved.py``: its savers' gradient errors, as GACT adapts bits
+   to measured sensitivity), and the widths are chosen with the least predicted
+   model-gradient error that fits the budget (the same least-error allocation as
+   the compute policy, per byte saved). With ``"width"`` the policy lowers the
+   value with the most bits left (largest first) by one step, exact → 8 → 4 → 2,
+   until the total fits: even widths, blind to what each value's error costs.
 4. If every value at 2 bits still does not fit, the plan says what it reached.
 
 ``ApproxConfig(activation_bits=b)`` instead stores every eligible value at ``b``
@@ -26,6 +29,8 @@ bits (the budget is then only reported against), like the compute policy's
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx
 from torch import nn
@@ -33,6 +38,7 @@ from torch import nn
 from fxapprox.config import ApproxConfig
 from fxapprox.ops.quantize import quantized_nbytes
 from fxapprox.plan import MemoryPlan, SavedValueDecision
+from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta
 
 _STEPS = (8, 4, 2)
@@ -74,7 +80,7 @@ class _Value:
     def exact_bytes(self) -> int:
         return self.direct + self.derived
 
-    def bytes_at(self, bits: int) -> int:
+    def bytes_at(self, bits: int, group_size: int = 256) -> int:
         dtype_bits = _dtype_bits(self.dtype)
         if bits >= dtype_bits:
             return self.exact_bytes
@@ -82,7 +88,7 @@ class _Value:
         total = 0
         for part in (self.direct, self.derived):
             if part:
-                total += quantized_nbytes(part // element, bits)
+                total += quantized_nbytes(part // element, bits, group_size)
         return total
 
 
@@ -122,6 +128,24 @@ def _sign_exact(gm: torch.fx.GraphModule, value: _Value) -> bool:
     return is_relu(gm, writers[-1])
 
 
+def _eligibility(value: _Value, config: ApproxConfig) -> str | None:
+    """Why a value keeps its bits (or ``"sign"``: a lossless 1-bit mask), ``None`` when its bits are chosen."""
+    if value.dtype is None or not value.dtype.is_floating_point:
+        return "kept: not a floating-point tensor"
+    if value.exact_bytes < config.activation_min_bytes:
+        return f"kept: small ({value.exact_bytes} B < activation_min_bytes)"
+    if value.sign_only and config.activation_bits != 32:
+        return "sign"
+    return None
+
+
+def memory_candidates(gm: torch.fx.GraphModule, config: ApproxConfig) -> dict:
+    """The values whose bits the measured memory policy chooses: ``{name: (members, savers, sign_exact)}``."""
+    values, _, _ = _values(gm)
+    return {name: ({m.name for m in value.members}, sorted(value.savers), _sign_exact(gm, value))
+            for name, value in values.items() if _eligibility(value, config) is None}
+
+
 def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: ApproxConfig) -> MemoryPlan | None:
     """Decide the bits of every saved value; ``None`` when activations are not to be compressed.
 
@@ -139,30 +163,46 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     bits: dict[str, int] = {}
     reasons: dict[str, str] = {}
     candidates = []
+    group = config.activation_group_size
     for name, value in values.items():
-        dtype_bits = _dtype_bits(value.dtype)
-        bits[name] = dtype_bits
-        if value.dtype is None or not value.dtype.is_floating_point:
-            reasons[name] = "kept: not a floating-point tensor"
-        elif value.exact_bytes < config.activation_min_bytes:
-            reasons[name] = f"kept: small ({value.exact_bytes} B < activation_min_bytes)"
-        elif value.sign_only and uniform_bits != 32:
+        bits[name] = _dtype_bits(value.dtype)
+        blocker = _eligibility(value, config)
+        if blocker == "sign":
             bits[name] = 1
             reasons[name] = "1-bit mask: its only saver is the ReLU itself, which needs only value > 0"
+        elif blocker is not None:
+            reasons[name] = blocker
         else:
             candidates.append(name)
             reasons[name] = "kept: not needed for the budget"
     exact_total = sum(v.exact_bytes for v in values.values()) + internal
 
     def planned_total() -> int:
-        return sum(values[n].bytes_at(b) for n, b in bits.items()) + planned_internal
+        return sum(values[n].bytes_at(b, group) for n, b in bits.items()) + planned_internal
 
     routed = set()
+    errors: dict[str, float] = {}
+    measured = config.activation_policy == "measured" and uniform_bits is None and all(
+        "bit_errors" in fx_meta(values[n].root) for n in candidates)
     if uniform_bits is not None:
         for name in candidates:
             routed.add(name)  # activation_bits=32 still routes them through the hooks (a test of the machinery)
             bits[name] = min(uniform_bits, bits[name])
             reasons[name] = f"{uniform_bits}-bit copy (activation_bits={uniform_bits})"
+    elif measured:
+        options = {}
+        for name in candidates:
+            value, measured_bits = values[name], fx_meta(values[name].root)["bit_errors"]
+            options[name] = [{"bits": b, "saving": value.exact_bytes - value.bytes_at(b, group),
+                              "contribution": measured_bits[b]["contribution"]}
+                             for b in _STEPS if b < bits[name]]
+        needed = max(0.0, planned_total() - memory_budget * exact_total)
+        chosen, _, _, _ = least_error_allocation(candidates, options, needed, None)
+        for name, option in chosen.items():
+            bits[name] = option["bits"]
+            errors[name] = option["contribution"]
+            reasons[name] = (f"{option['bits']}-bit copy: least gradient error per byte saved (predicted "
+                             f"{math.sqrt(option['contribution']):.3f})")
     else:
         target = memory_budget * exact_total
         total = planned_total()
@@ -170,10 +210,10 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
             lowerable = [n for n in candidates if bits[n] > _STEPS[-1]]
             if not lowerable:
                 break
-            name = max(lowerable, key=lambda n: (bits[n], values[n].bytes_at(bits[n])))
-            before = values[name].bytes_at(bits[name])
+            name = max(lowerable, key=lambda n: (bits[n], values[n].bytes_at(bits[n], group)))
+            before = values[name].bytes_at(bits[name], group)
             bits[name] = next(step for step in _STEPS if step < bits[name])
-            total -= before - values[name].bytes_at(bits[name])
+            total -= before - values[name].bytes_at(bits[name], group)
             reasons[name] = f"{bits[name]}-bit copy (memory budget)"
     planned = planned_total()
     if memory_budget is None:
@@ -186,17 +226,20 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
         kept = [v.exact_bytes for n, v in values.items() if bits[n] >= _dtype_bits(v.dtype) and n not in candidates]
         why_not = (f", NOT met: every eligible value is at 2 bits; {len(kept)} values ({_mib(sum(kept))}) "
                    f"and {_mib(planned_internal)} of temporaries stay as they are")
+    predicted = math.sqrt(sum(errors.values())) if measured else None
+    error_text = "" if predicted is None else f"; predicted model-gradient error {predicted:.3f}"
     note = (f"saved activations: exact {_mib(exact_total)}, planned {_mib(planned)} "
-            f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}{why_not})")
+            f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}{why_not}{error_text})")
     decisions = []
     for name, value in values.items():
         b = bits[name]
         compressed = b < _dtype_bits(value.dtype) or name in routed
         decisions.append(SavedValueDecision(
             node=name, shape=value.shape, dtype=str(value.dtype).replace("torch.", ""),
-            exact_bytes=value.exact_bytes, planned_bytes=value.bytes_at(b), bits=b, reason=reasons[name],
+            exact_bytes=value.exact_bytes, planned_bytes=value.bytes_at(b, group), bits=b, reason=reasons[name],
             savers=sorted(value.savers), aliases=[m.name for m in value.members[1:]],
-            sign_exact=compressed and 1 < b < 16 and _sign_exact(gm, value), compressed=compressed))
+            sign_exact=compressed and 1 < b < 16 and _sign_exact(gm, value), compressed=compressed,
+            predicted_error=(math.sqrt(errors.get(name, 0.0)) if measured else None)))
     return MemoryPlan(memory_budget=memory_budget, total_exact_bytes=int(exact_total),
                       total_planned_bytes=int(planned), internal_bytes=int(internal), budget_met=met, note=note,
-                      values=tuple(decisions))
+                      values=tuple(decisions), predicted_error=predicted)

@@ -4,7 +4,9 @@ The papers find that wide, expensive layers tolerate sampling best, and that
 is also where sampling saves the most. The score is the layer's measured
 training FLOPs times the square root of its reduction size (the number of
 column-row pairs it sums over), so among layers of similar cost the wider one
-comes first. Writes ``rank`` (1 = first) and ``rank_score``.
+comes first. Writes ``rank`` (1 = first) and ``rank_score``. The FLOP policy
+walks this order; the measured policy ranks by measured error instead and
+keeps this rank for the report.
 """
 
 from __future__ import annotations
@@ -13,14 +15,12 @@ import math
 
 import torch.fx
 
+from fxapprox.op_kinds import handler_for
 from fxapprox.passes._meta import fx_meta, train_flops
-
-#: layer kinds the rewrite pass knows how to sample (others stay exact with a reason)
-SAMPLEABLE_KINDS = ("linear", "conv2d", "linear_fn", "conv2d_fn", "matmul", "lstm")
 
 
 def rank_layers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """Rank every node of a sampleable kind; returns them best first.
+    """Rank every node of an approximable kind; returns them best first.
 
     Example::
 
@@ -28,7 +28,7 @@ def rank_layers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         >>> ranked[0].meta["fxapprox"]["rank"]
         1
     """
-    layers = [n for n in gm.graph.nodes if fx_meta(n).get("op_kind") in SAMPLEABLE_KINDS]
+    layers = [n for n in gm.graph.nodes if handler_for(fx_meta(n)) is not None]
     for node in layers:
         meta = fx_meta(node)
         meta["rank_score"] = float(train_flops(node) * math.sqrt(meta.get("reduction_size") or 1))

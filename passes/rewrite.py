@@ -1,5 +1,7 @@
 """Pass 5 — rewrite: replace the planned nodes with sampled ops.
 
+Each planned node is handed to its registered :class:`fxapprox.op_kinds.OpKind`:
+
 * ``call_module`` ``nn.Linear`` / ``nn.Conv2d`` / ``nn.LSTM`` → the submodule is swapped for
   :class:`~fxapprox.modules.ApproxLinear` / :class:`~fxapprox.modules.ApproxConv2d` /
   :class:`~fxapprox.modules.ApproxLSTM` (sparse backward) holding the *same* parameters
@@ -17,17 +19,9 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxapprox.modules import (ApproxConv2d, ApproxFunctionalConv2d, ApproxFunctionalLinear, ApproxLinear,
-                              ApproxLSTM, ApproxMatmul, SamplingSpec)
+from fxapprox.modules import SamplingSpec
+from fxapprox.op_kinds import OP_KINDS
 from fxapprox.plan import Plan
-from fxapprox.passes._meta import fx_meta
-from fxapprox.passes.channels import conv2d_call_args
-
-
-def _linear_args(node: torch.fx.Node) -> tuple:
-    names = ("input", "weight", "bias")
-    values = list(node.args) + [node.kwargs.get(name) for name in names[len(node.args):]]
-    return tuple(values[:3])
 
 
 def rewrite_sampled_ops(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
@@ -40,32 +34,15 @@ def rewrite_sampled_ops(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphM
         'ApproxLinear'
     """
     by_name = {node.name: node for node in gm.graph.nodes}
+    granularity = plan.config.get("lstm_granularity", "coarse")
     for decision in plan.approximated:
-        node = by_name[decision.node]
+        handler = OP_KINDS.get(decision.op_kind)
+        if handler is None:
+            raise ValueError(f"the plan asks to sample {decision.node!r} of kind {decision.op_kind!r}, "
+                             "which has no rewrite")
         spec = SamplingSpec(method=decision.method, k=decision.k, n=decision.n, mode=decision.mode,
                             random_share=decision.random_share)
-        kind = decision.op_kind
-        if kind == "linear":
-            gm.add_submodule(node.target, ApproxLinear.from_linear(gm.get_submodule(node.target), spec))
-        elif kind == "conv2d":
-            gm.add_submodule(node.target, ApproxConv2d.from_conv2d(gm.get_submodule(node.target), spec))
-        elif kind == "lstm":
-            granularity = plan.config.get("lstm_granularity", "coarse")
-            gm.add_submodule(node.target, ApproxLSTM.from_lstm(gm.get_submodule(node.target), spec, granularity))
-        elif kind in ("linear_fn", "conv2d_fn", "matmul"):
-            module_name = f"fxapprox_{node.name}"
-            if kind == "linear_fn":
-                module, args = ApproxFunctionalLinear(spec), _linear_args(node)
-            elif kind == "conv2d_fn":
-                call = conv2d_call_args(node)
-                module = ApproxFunctionalConv2d(spec, call["stride"], call["padding"], call["dilation"])
-                args = (call["input"], call["weight"], call["bias"])
-            else:
-                module, args = ApproxMatmul(spec, fx_meta(node)["parameter_side"]), tuple(node.args[:2])
-            gm.add_submodule(module_name, module)
-            node.op, node.target, node.args, node.kwargs = "call_module", module_name, args, {}
-        else:
-            raise ValueError(f"the plan asks to sample {decision.node!r} of kind {kind!r}, which has no rewrite")
+        handler.rewrite(gm, by_name[decision.node], spec, granularity)
     gm.graph.lint()
     gm.recompile()
     return gm

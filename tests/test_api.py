@@ -10,6 +10,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import fxapprox
 from fxapprox.modules import ApproxConv2d, ApproxLinear
 
+#: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
+FLOPS = fxapprox.ApproxConfig(policy="flops")
+
 
 class MLP(nn.Module):
     def __init__(self):
@@ -72,7 +75,7 @@ def _train_flops(module, *inputs):
 def test_eval_matches_original_and_state_dict_keys(factory, shape):
     model = factory()
     x = torch.randn(shape)
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=FLOPS)
     assert list(approx.state_dict()) == list(model.state_dict())
     model.eval(), approx.eval()
     torch.testing.assert_close(approx(x), model(x), rtol=0, atol=0)
@@ -81,7 +84,7 @@ def test_eval_matches_original_and_state_dict_keys(factory, shape):
 def test_train_approximated_deploy_exact():
     model = CNN()
     x = torch.randn(8, 3, 16, 16)
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=FLOPS)
     opt = torch.optim.SGD(approx.parameters(), lr=0.1)
     for _ in range(3):
         opt.zero_grad()
@@ -97,7 +100,7 @@ def test_input_model_is_not_mutated():
     model = CNN()
     before = copy.deepcopy(model.state_dict())
     children = {name: type(m) for name, m in model.named_modules()}
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(torch.randn(4, 3, 16, 16),))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(torch.randn(4, 3, 16, 16),), config=FLOPS)
     assert {name: type(m) for name, m in model.named_modules()} == children
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key  # BN running stats untouched by the analysis
@@ -112,7 +115,7 @@ def test_analysis_leaves_buffers_and_rng_alone():
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(torch.randn(4, 3, 16, 16),))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(torch.randn(4, 3, 16, 16),), config=FLOPS)
     torch.manual_seed(123)
     assert torch.equal(torch.rand(3), expected)
     assert torch.equal(approx.bn.running_mean, model.bn.running_mean)
@@ -120,7 +123,7 @@ def test_analysis_leaves_buffers_and_rng_alone():
 
 
 def test_lazy_planning_on_first_batch():
-    approx = fxapprox.approximate(MLP(), 0.5)
+    approx = fxapprox.approximate(MLP(), 0.5, config=FLOPS)
     assert not approx.planned
     with pytest.raises(fxapprox.PlanNotReadyError, match="first batch"):
         approx.report
@@ -133,7 +136,7 @@ def test_lazy_planning_on_first_batch():
 
 
 def test_lazy_planning_with_keyword_input():
-    approx = fxapprox.approximate(MLP(), 0.5)
+    approx = fxapprox.approximate(MLP(), 0.5, config=FLOPS)
     assert approx(x=torch.randn(16, 64)).shape == (16, 10)
     assert approx.planned
 
@@ -144,7 +147,7 @@ def test_measured_flops_match_plan(factory, shape, budget):
     model = factory()
     x = torch.randn(shape)
     approx = fxapprox.approximate(model, budget, example_inputs=(x,),
-                                  config=fxapprox.ApproxConfig(min_channels=8))
+                                  config=fxapprox.ApproxConfig(policy="flops", min_channels=8))
     plan = approx.plan
     assert _train_flops(model, x) == plan.total_exact_flops
     measured = _train_flops(approx, x)
@@ -156,7 +159,7 @@ def test_measured_flops_match_plan(factory, shape, budget):
 def test_set_approximate_switches_to_exact_training():
     model = MLP()
     x = torch.randn(32, 64)
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=FLOPS)
     assert approx.set_approximate(False) is approx
     exact_flops = _train_flops(approx, x)
     assert exact_flops == approx.plan.total_exact_flops
@@ -168,7 +171,7 @@ def test_set_approximate_switches_to_exact_training():
 
 
 def test_set_approximate_before_lazy_plan_is_kept():
-    approx = fxapprox.approximate(MLP(), 0.5).set_approximate(False)
+    approx = fxapprox.approximate(MLP(), 0.5, config=FLOPS).set_approximate(False)
     approx(torch.randn(8, 64))
     assert not approx.fc2.fxapprox_enabled
 
@@ -207,7 +210,7 @@ def test_budget_one_is_exact():
 def test_graph_module_input_is_used_as_is():
     model = MLP()
     gm = torch.fx.symbolic_trace(model)
-    approx = fxapprox.approximate(gm, 0.5, example_inputs=(torch.randn(8, 64),))
+    approx = fxapprox.approximate(gm, 0.5, example_inputs=(torch.randn(8, 64),), config=FLOPS)
     assert list(approx.state_dict()) == list(gm.state_dict())
     assert isinstance(gm.fc2, nn.Linear) and not isinstance(gm.fc2, ApproxLinear)
 
@@ -215,7 +218,7 @@ def test_graph_module_input_is_used_as_is():
 def test_lstm_stays_a_leaf_and_gets_a_sparse_backward():
     model = WithLSTM()
     x = torch.randn(4, 10, 32)
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=FLOPS)
     lstm = approx.plan.decision("lstm")
     assert lstm.approximate and lstm.mode == "backward" and lstm.method == "topk"
     assert lstm.exact_flops > 0  # counted through our registered oneDNN RNN formula
@@ -233,7 +236,7 @@ def test_gru_stays_exact_with_reason():
         def forward(self, x):
             return self.gru(x)[0]
 
-    approx = fxapprox.approximate(WithGRU(), 0.5, example_inputs=(torch.randn(10, 4, 32),))
+    approx = fxapprox.approximate(WithGRU(), 0.5, example_inputs=(torch.randn(10, 4, 32),), config=FLOPS)
     gru = approx.plan.decision("gru")
     assert not gru.approximate and "recurrent" in gru.reason
     assert not approx.plan.budget_met and "not reachable" in approx.plan.note
@@ -241,7 +244,7 @@ def test_gru_stays_exact_with_reason():
 
 def test_deepcopy_keeps_plan_and_behaviour():
     x = torch.randn(8, 64)
-    approx = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,))
+    approx = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,), config=FLOPS)
     clone = copy.deepcopy(approx)
     assert clone.plan == approx.plan
     clone.eval(), approx.eval()
@@ -250,9 +253,10 @@ def test_deepcopy_keeps_plan_and_behaviour():
 
 def test_empty_batch_and_half_precision_inputs():
     model = MLP()
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(torch.randn(8, 64),))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(torch.randn(8, 64),), config=FLOPS)
     assert approx(torch.randn(0, 64)).shape == (0, 10)
-    half = fxapprox.approximate(MLP().to(torch.bfloat16), 0.5, example_inputs=(torch.randn(8, 64, dtype=torch.bfloat16),))
+    half = fxapprox.approximate(MLP().to(torch.bfloat16), 0.5,
+                                example_inputs=(torch.randn(8, 64, dtype=torch.bfloat16),), config=FLOPS)
     out = half(torch.randn(8, 64, dtype=torch.bfloat16))
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()

@@ -48,7 +48,8 @@ def test_budget_one_is_exact(inputs):
 
 
 def test_approximating_moves_gradients_and_halves_flops(inputs):
-    result = fxapprox.bench(tiny_cnn(), inputs, budget=0.5, steps=2, warmup=0, progress=False)
+    result = fxapprox.bench(tiny_cnn(), inputs, budget=0.5, steps=2, warmup=0, progress=False,
+                            config=fxapprox.ApproxConfig(policy="flops"))
     sampled = [layer for layer in result.layers if layer.method != "exact"]
     assert sampled and all(layer.keep_ratio < 1 for layer in sampled)
     assert all(layer.grad_cosine < 1.0 - 1e-6 and layer.grad_rel_error > 1e-6 for layer in sampled)
@@ -70,7 +71,8 @@ def test_memory_budget_compresses_saved_activations():
 def test_model_is_not_modified(inputs):
     model = tiny_cnn()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fxapprox.bench(model, inputs, budget=0.5, steps=1, warmup=0, progress=False)
+    fxapprox.bench(model, inputs, budget=0.5, steps=1, warmup=0, progress=False,
+                   config=fxapprox.ApproxConfig(policy="flops"))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
 

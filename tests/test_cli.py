@@ -14,10 +14,21 @@ def _run(*args):
 
 
 def test_report_json():
-    result = _run("report", "torchvision:resnet18", "--budget", "0.5", "--input-shape", "2,3,32,32", "--json")
+    result = _run("report", "torchvision:resnet18", "--budget", "0.5", "--input-shape", "2,3,32,32", "--json",
+                  "--policy", "flops")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["budget_met"] and data["model"] == "ResNet"
+    assert data["budget_met"] and data["model"] == "ResNet" and data["config"]["policy"] == "flops"
+
+
+def test_report_measured_policy_json():
+    result = _run("report", "tests.test_cli:tiny_model", "--budget", "0.7", "--input-shape", "64,32", "--json",
+                  "--min-speedup", "none", "--max-grad-error", "none")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["config"]["policy"] == "measured" and data["config"]["min_speedup"] is None
+    assert data["predicted_error"] is not None and data["budget_met"]
+    assert all(layer["candidates"] for layer in data["layers"] if layer["op_kind"] == "linear")
 
 
 def test_report_table():
@@ -51,6 +62,9 @@ def test_export(tmp_path):
     (("report", "torchvision:resnet18", "--method", "nope"), "method must be one of"),
     (("report", "torchvision:resnet18", "--memory-budget", "x"), "--memory-budget 'x'"),
     (("report", "torchvision:resnet18", "--memory-budget", "0"), "memory_budget must be in (0, 1]"),
+    (("report", "torchvision:resnet18", "--policy", "greedy"), "policy must be one of"),
+    (("report", "torchvision:resnet18", "--max-grad-error", "x"), "--max-grad-error 'x'"),
+    (("report", "torchvision:resnet18", "--min-speedup", "-1"), "min_speedup must be"),
 ])
 def test_errors_are_one_line(args, message, capsys):
     assert main(list(args)) == 2

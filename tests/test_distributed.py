@@ -17,6 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 import fxapprox
 from fxapprox.distributed import register_sampled_allreduce
 
+#: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
+FLOPS = fxapprox.ApproxConfig(policy="flops")
+
 WORLD = 2
 STEPS = 12
 
@@ -57,7 +60,7 @@ def _train(rank: int, model: nn.Module, shape: tuple) -> dict:
     torch.manual_seed(0)
     teacher = copy.deepcopy(model)
     example = torch.randn(*shape)
-    approx = fxapprox.approximate(model, budget=0.5, example_inputs=(example,))
+    approx = fxapprox.approximate(model, budget=0.5, example_inputs=(example,), config=FLOPS)
     ddp = DistributedDataParallel(approx)
     state = register_sampled_allreduce(ddp)
     batches = _batches(rank, shape, teacher)
@@ -101,12 +104,12 @@ def _errors(rank: int) -> dict:
     torch.manual_seed(0)
     example = torch.randn(16, 64)
     budget = 0.5 if rank == 0 else 0.25   # rank-dependent plans: refused on every rank
-    ddp = DistributedDataParallel(fxapprox.approximate(_mlp(), budget=budget, example_inputs=(example,)))
+    ddp = DistributedDataParallel(fxapprox.approximate(_mlp(), budget=budget, example_inputs=(example,), config=FLOPS))
     try:
         register_sampled_allreduce(ddp)
     except ValueError as error:
         outcome["plans_differ"] = str(error)
-    unused = DistributedDataParallel(fxapprox.approximate(_mlp(), budget=0.5, example_inputs=(example,)),
+    unused = DistributedDataParallel(fxapprox.approximate(_mlp(), budget=0.5, example_inputs=(example,), config=FLOPS),
                                      find_unused_parameters=True)
     try:
         register_sampled_allreduce(unused)

@@ -11,6 +11,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import fxapprox
 from fxapprox import ApproxConfig, LayerOverride
 
+#: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
+FLOPS = fxapprox.ApproxConfig(policy="flops")
+
 
 class CNN(nn.Module):
     def __init__(self):
@@ -47,7 +50,7 @@ def _step_flops(module, x):
 @pytest.mark.parametrize("method", ["crs", "bernoulli"])
 def test_unbiased_methods_train_and_spend_the_plan(method):
     x = torch.randn(64, 128)
-    approx = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,), method=method)
+    approx = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,), method=method, config=FLOPS)
     plan = approx.plan
     assert {d.method for d in plan.approximated} == {method}
     flops = [_step_flops(approx, x) for _ in range(20)]
@@ -63,7 +66,7 @@ def test_unbiased_methods_train_and_spend_the_plan(method):
 
 def test_backward_mode_keeps_forward_exact_and_meets_budget():
     model, x = CNN(), torch.randn(16, 3, 12, 12)
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=ApproxConfig(mode="backward"))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=ApproxConfig(policy="flops", mode="backward"))
     plan = approx.plan
     assert plan.budget_met and {d.mode for d in plan.approximated} == {"backward"}
     # the forward is the exact one even in training mode
@@ -76,7 +79,7 @@ def test_backward_mode_keeps_forward_exact_and_meets_budget():
 
 
 def test_mode_and_method_overrides_per_layer():
-    config = ApproxConfig(overrides=(LayerOverride("fc1", method="bernoulli", mode="backward"),))
+    config = ApproxConfig(policy="flops", overrides=(LayerOverride("fc1", method="bernoulli", mode="backward"),))
     approx = fxapprox.approximate(MLP(), 0.5, example_inputs=(torch.randn(32, 128),), config=config)
     fc1 = approx.plan.decision("fc1")
     assert fc1.method == "bernoulli" and fc1.mode == "backward"
@@ -101,11 +104,11 @@ def test_paper_recipe_samples_every_wide_layer_at_the_ratio():
 
 def test_topk_random_share_reaches_the_module_and_pure_topk_is_configurable():
     x = torch.randn(16, 128)
-    approx = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,))
-    assert approx.fc2.fxapprox_spec.random_share == ApproxConfig().random_share > 0
-    pure = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,), config=ApproxConfig(random_share=0.0))
+    approx = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,), config=FLOPS)
+    assert approx.fc2.fxapprox_spec.random_share == ApproxConfig(policy="flops").random_share > 0
+    pure = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,), config=ApproxConfig(policy="flops", random_share=0.0))
     assert pure.fc2.fxapprox_spec.random_share == 0.0
-    crs = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,), method="crs")
+    crs = fxapprox.approximate(MLP(), 0.5, example_inputs=(x,), method="crs", config=FLOPS)
     assert crs.fc2.fxapprox_spec.random_share == 0.0   # unbiased methods do not starve columns
 
 
@@ -113,7 +116,7 @@ def test_recalibrate_bn_matches_exact_statistics():
     torch.manual_seed(0)
     model = CNN()
     batches = [torch.randn(8, 3, 12, 12) for _ in range(4)]
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(batches[0],))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(batches[0],), config=FLOPS)
     opt = torch.optim.SGD(approx.parameters(), lr=0.05)
     for x in batches:  # approximate training moves BN stats on approximate activations
         opt.zero_grad()

@@ -10,6 +10,9 @@ from torch import nn
 
 import fxapprox
 
+#: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
+FLOPS = fxapprox.ApproxConfig(policy="flops")
+
 
 class CNN(nn.Module):
     def __init__(self):
@@ -24,7 +27,7 @@ class CNN(nn.Module):
 
 @pytest.fixture
 def approx():
-    return fxapprox.approximate(CNN(), 0.5, example_inputs=(torch.randn(2, 3, 8, 8),))
+    return fxapprox.approximate(CNN(), 0.5, example_inputs=(torch.randn(2, 3, 8, 8),), config=FLOPS)
 
 
 def test_report_text_rich_and_json(approx):
@@ -67,4 +70,4 @@ def test_export_requires_a_planned_approximated_module(tmp_path):
     with pytest.raises(TypeError, match="fxapprox.approximate"):
         fxapprox.export(CNN(), tmp_path)
     with pytest.raises(fxapprox.PlanNotReadyError):
-        fxapprox.export(fxapprox.approximate(CNN(), 0.5), tmp_path)
+        fxapprox.export(fxapprox.approximate(CNN(), 0.5, config=FLOPS), tmp_path)

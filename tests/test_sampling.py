@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from fxapprox.ops import (backward_sampled_conv2d, backward_sampled_linear, sampled_conv2d, sampled_linear,
                           select_pairs)
-from fxapprox.ops.sampling import bernoulli_probabilities, crs_probabilities
+from fxapprox.ops.sampling import bernoulli_probabilities, crs_probabilities, wta_crs_split
 
 
 def _operands(rows=6, n=24, cols=5):
@@ -38,7 +38,18 @@ def test_crs_probabilities_have_a_uniform_floor():
     torch.testing.assert_close(crs_probabilities(torch.zeros(5)), torch.full((5,), 0.2))
 
 
-@pytest.mark.parametrize("method", ["crs", "bernoulli"])
+def _wta_crs_variance(a2, b2, exact_sq, k):
+    """Liu et al.'s WTA-CRS variance for the split it picks: (1/(k−c))·((1−P_C)·Σ_rest ‖A‖²‖B‖²/p − ‖Σ_rest‖²)."""
+    scores = (a2 * b2).sqrt()
+    p = scores / scores.sum()
+    ordered, order = torch.sort(p, descending=True)
+    c = wta_crs_split(ordered, k)
+    rest = order[c:]
+    mass = p[rest].sum()
+    return c, mass, rest, p
+
+
+@pytest.mark.parametrize("method", ["crs", "bernoulli", "wta_crs"])
 def test_unbiased_and_variance_as_predicted(method):
     x, w = _operands()
     exact = x @ w.t()
@@ -50,6 +61,10 @@ def test_unbiased_and_variance_as_predicted(method):
     if method == "crs":
         p = crs_probabilities(scores)
         predicted = ((a2 * b2 / p).sum() - exact.square().sum()) / k
+    elif method == "wta_crs":
+        c, mass, rest, p = _wta_crs_variance(a2, b2, exact.square().sum(), k)
+        rest_product = x[:, rest] @ w[:, rest].t()
+        predicted = (mass * (a2[rest] * b2[rest] / p[rest]).sum() - rest_product.square().sum()) / (k - c)
     else:
         p = bernoulli_probabilities(scores, k)
         predicted = ((1 - p) / p * a2 * b2).sum()
@@ -60,6 +75,36 @@ def test_unbiased_and_variance_as_predicted(method):
     mean_error = (outs.mean(0) - exact).square().sum().item()
     assert mean_error < 4 * predicted.item() / count
     assert mean_error < 0.05 * exact.square().sum().item()
+
+
+def test_wta_crs_keeps_the_winners_and_beats_crs_on_skewed_pairs():
+    torch.manual_seed(5)
+    n, k = 64, 16
+    x = torch.randn(8, n) * torch.logspace(-2, 1, n)   # a few columns carry most of the mass
+    w = torch.randn(6, n)
+    exact = x @ w.t()
+    scores = x.norm(dim=0) * w.norm(dim=0)
+    kept, scale = select_pairs("wta_crs", scores, k)
+    assert kept.numel() <= k and torch.equal(kept, kept.sort().values)
+    winners = wta_crs_split(torch.sort(scores / scores.sum(), descending=True).values, k)
+    assert winners > 0
+    top = set(torch.topk(scores, winners).indices.tolist())
+    assert top <= set(kept.tolist())                                           # the winners are always kept ...
+    assert all(scale[kept.tolist().index(i)].item() == 1.0 for i in top)      # ... unscaled
+    errors = {}
+    for method in ("crs", "wta_crs"):
+        errors[method] = torch.stack([(sampled_linear(x, w, None, k=k, method=method) - exact).square().sum()
+                                      for _ in range(2000)]).mean().item()
+    assert errors["wta_crs"] < 0.5 * errors["crs"], errors
+
+
+def test_wta_crs_edge_cases():
+    kept, scale = select_pairs("wta_crs", torch.zeros(10), 4)            # no mass anywhere: uniform draws
+    assert 1 <= kept.numel() <= 4 and torch.isfinite(scale).all()
+    kept, scale = select_pairs("wta_crs", torch.tensor([5.0, 0.0, 0.0, 0.0]), 2)   # the winner holds it all
+    assert kept.tolist() == [0] and scale.tolist() == [1.0]
+    kept, scale = select_pairs("wta_crs", torch.rand(6), 6)               # k >= n: everything, unscaled
+    assert kept.tolist() == list(range(6)) and torch.equal(scale, torch.ones(6))
 
 
 def test_topk_is_biased_but_deterministic():
@@ -83,7 +128,7 @@ def test_topk_random_share_prevents_starvation():
     assert guarded.all()                # with a random share every column is eventually picked
 
 
-@pytest.mark.parametrize("method", ["topk", "crs", "bernoulli"])
+@pytest.mark.parametrize("method", ["topk", "crs", "bernoulli", "wta_crs"])
 def test_every_method_is_exact_at_full_ratio(method):
     x, w, b = torch.randn(7, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True), torch.randn(4)
     torch.testing.assert_close(sampled_linear(x, w, b, k=16, method=method), F.linear(x, w, b))
@@ -91,6 +136,12 @@ def test_every_method_is_exact_at_full_ratio(method):
     torch.testing.assert_close(sampled_conv2d(xc, wc, None, k=8, padding=1, method=method),
                                F.conv2d(xc, wc, padding=1))
     torch.testing.assert_close(backward_sampled_linear(x, w, b, 1.0, method), F.linear(x, w, b))
+    for sample_input_grad in (True, False):
+        out = backward_sampled_linear(x, w, b, 1.0, method, sample_input_grad=sample_input_grad)
+        grads = torch.autograd.grad(out.sum(), (x, w))
+        exact = torch.autograd.grad(F.linear(x, w, b).sum(), (x, w))
+        for got, want in zip(grads, exact):
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("method", ["crs", "bernoulli"])
@@ -158,3 +209,43 @@ def test_backward_mode_keep_ratio_one_and_bad_ratio():
     with pytest.raises(ValueError, match="keep_ratio"):
         backward_sampled_linear(x, w, None, 0.0)
     assert math.isfinite(backward_sampled_linear(torch.zeros(0, 8), w, None, 0.5).sum().item())
+
+
+# -- weight-gradient sampling ----------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["topk", "wta_crs", "bernoulli"])
+def test_weight_grad_mode_keeps_forward_and_input_grad_exact(method):
+    torch.manual_seed(6)
+    x = torch.randn(4, 12, 16, requires_grad=True)   # (B, T, C): rows are tokens
+    w = torch.randn(10, 16, requires_grad=True)
+    b = torch.randn(10, requires_grad=True)
+    grad_out = torch.randn(4, 12, 10)
+    out = backward_sampled_linear(x, w, b, 0.25, method, sample_input_grad=False)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=0, atol=0)
+    dx, dw, db = torch.autograd.grad(out, (x, w, b), grad_out)
+    ex, ew, eb = torch.autograd.grad(F.linear(x, w, b), (x, w, b), grad_out)
+    torch.testing.assert_close(dx, ex)
+    torch.testing.assert_close(db, eb)
+    assert not torch.allclose(dw, ew)
+    if method == "topk":   # the 12 strongest of the 48 token rows
+        rows = torch.topk(x.detach().reshape(48, 16).norm(dim=1) * grad_out.reshape(48, 10).norm(dim=1), 12).indices
+        torch.testing.assert_close(dw, grad_out.reshape(48, 10)[rows].t() @ x.detach().reshape(48, 16)[rows])
+    else:                  # unbiased: the mean of many draws converges to the exact weight gradient
+        total = torch.zeros_like(w)
+        for _ in range(2000):
+            total += torch.autograd.grad(backward_sampled_linear(x, w, b, 0.25, method, sample_input_grad=False),
+                                         w, grad_out)[0]
+        assert ((total / 2000 - ew).norm() / ew.norm()).item() < 0.06
+
+
+def test_weight_grad_mode_conv_input_grad_exact():
+    torch.manual_seed(7)
+    x = torch.randn(8, 6, 5, 5, requires_grad=True)
+    w = torch.randn(4, 6, 3, 3, requires_grad=True)
+    out = backward_sampled_conv2d(x, w, None, 0.5, padding=1, method="wta_crs", sample_input_grad=False)
+    grad_out = torch.randn_like(out)
+    dx, dw = torch.autograd.grad(out, (x, w), grad_out)
+    ex, ew = torch.autograd.grad(F.conv2d(x, w, padding=1), (x, w), grad_out)
+    torch.testing.assert_close(out, F.conv2d(x, w, padding=1), rtol=0, atol=0)
+    torch.testing.assert_close(dx, ex)
+    assert not torch.allclose(dw, ew)

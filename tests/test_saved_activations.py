@@ -32,6 +32,7 @@ class SmallCNN(nn.Module):
 def _config(**kwargs):
     kwargs.setdefault("activation_compile", False)
     kwargs.setdefault("activation_min_bytes", 0)
+    kwargs.setdefault("policy", "flops")
     return ApproxConfig(**kwargs)
 
 

@@ -8,6 +8,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxapprox
 
+#: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
+FLOPS = fxapprox.ApproxConfig(policy="flops")
+
 
 def _step_flops(module, x, labels):
     with FlopCounterMode(display=False) as counter:
@@ -20,7 +23,7 @@ def _step_flops(module, x, labels):
 def test_torchvision_model_end_to_end(name, budget_must_be_met):
     model = torchvision.models.get_model(name, weights=None, num_classes=10)
     x, labels = torch.randn(2, 3, 64, 64), torch.tensor([1, 7])
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=FLOPS)
     plan = approx.plan
     if budget_must_be_met:
         assert plan.budget_met, plan.note

@@ -39,6 +39,9 @@ import torchvision
 
 import fxapprox
 
+#: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
+FLOPS = fxapprox.ApproxConfig(policy="flops")
+
 BUDGET = 0.5
 BATCH = 2
 NUM_CLASSES = 10
@@ -125,7 +128,7 @@ def check_model(name: str, result: dict | None = None) -> dict:
     model, x, labels = build(name)
     result.update(params_m=sum(p.numel() for p in model.parameters()) / 1e6, size=input_size(name))
 
-    approx = fxapprox.approximate(model, BUDGET, example_inputs=(x,))
+    approx = fxapprox.approximate(model, BUDGET, example_inputs=(x,), config=FLOPS)
     plan = approx.plan
     result.update(sampled=len(plan.approximated), layers=len(plan.layers), achieved=plan.achieved,
                   budget_met=plan.budget_met, note=plan.note)
@@ -240,7 +243,7 @@ def test_zoo_model(name):
 def test_approximate_releases_the_model():
     """Dropping the approximated module frees it (and with it its copy of the weights)."""
     model = torchvision.models.get_model("resnet18", weights=None, num_classes=NUM_CLASSES)
-    approx = fxapprox.approximate(model, BUDGET, example_inputs=(torch.randn(BATCH, 3, 32, 32),))
+    approx = fxapprox.approximate(model, BUDGET, example_inputs=(torch.randn(BATCH, 3, 32, 32),), config=FLOPS)
     alive = weakref.ref(approx)
     del approx, model
     gc.collect()

@@ -9,7 +9,8 @@ into the kept channels.
 
 **Backward sampling** (:func:`backward_sampled_conv2d`): the forward is exact;
 ``dX`` keeps the strongest output channels (``‖dY[:, j]‖·‖W[j]‖``) and ``dW``
-the strongest batch examples (``‖X_b‖·‖dY_b‖``).
+the strongest batch examples (``‖X_b‖·‖dY_b‖``). **Weight-gradient sampling**
+(``sample_input_grad=False``) samples only ``dW`` and keeps ``dX`` exact.
 """
 
 from __future__ import annotations
@@ -122,22 +123,24 @@ def conv2d_with_channels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 class _BackwardSampledConv2dFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, conv_args, keep_ratio, method, random_share):
+    def forward(ctx, x, weight, bias, conv_args, keep_ratio, method, random_share, sample_input_grad):
         out = F.conv2d(x, weight, bias, *conv_args, 1)
         ctx.save_for_backward(x, weight)
-        ctx.options = (conv_args, keep_ratio, method, random_share)
+        ctx.options = (conv_args, keep_ratio, method, random_share, sample_input_grad)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        conv_args, keep_ratio, method, random_share = ctx.options
+        conv_args, keep_ratio, method, random_share, sample_input_grad = ctx.options
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_out = grad_out.contiguous()
         grad_x = grad_w = grad_b = None
         with torch.no_grad():
-            if need_x:
+            if need_x and not sample_input_grad:
+                grad_x = _conv_backward(grad_out, x, weight, None, conv_args, [True, False, False])[0]
+            elif need_x:
                 scores = pair_scores(channel_squared_norms(grad_out), squared_norms(weight, (1, 2, 3)))
                 kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, weight.shape[0]),
                                                       random_share), scores)
@@ -156,13 +159,15 @@ class _BackwardSampledConv2dFunction(torch.autograd.Function):
                                             [False, True, False])[1]
             if need_b and ctx.bias_sizes is not None:
                 grad_b = grad_out.sum((0, 2, 3))
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def backward_sampled_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep_ratio: float,
                             stride=1, padding=0, dilation=1, method: str = "topk",
-                            random_share: float = 0.0) -> torch.Tensor:
+                            random_share: float = 0.0, sample_input_grad: bool = True) -> torch.Tensor:
     """``F.conv2d`` exactly, with ``dX`` over kept output channels and ``dW`` over kept examples.
+
+    ``sample_input_grad=False`` keeps ``dX`` exact (weight-gradient sampling).
 
     Example::
 
@@ -174,4 +179,5 @@ def backward_sampled_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         return F.conv2d(x, weight, bias, *conv_args, 1)
     if not keep_ratio > 0.0:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
-    return _BackwardSampledConv2dFunction.apply(x, weight, bias, conv_args, keep_ratio, method, random_share)
+    return _BackwardSampledConv2dFunction.apply(x, weight, bias, conv_args, keep_ratio, method, random_share,
+                                                sample_input_grad)

@@ -10,6 +10,10 @@ than the dense layer on CPU).
 **Backward sampling** (:func:`backward_sampled_linear`): the forward is exact;
 ``dX = dY · W`` keeps the strongest output features ``j`` (``‖dY[:, j]‖·‖W[j]‖``)
 and ``dW = dYᵀ · X`` the strongest batch rows ``b`` (``‖X_b‖·‖dY_b‖``).
+**Weight-gradient sampling** (``sample_input_grad=False``) keeps ``dX`` exact and
+samples only ``dW`` over rows — tokens, for a transformer's ``(B, T, C)`` inputs —
+the setting of WTA-CRS (Liu et al., 2023): the error stays in this layer's own
+gradient instead of flowing into every layer below.
 """
 
 from __future__ import annotations
@@ -133,48 +137,59 @@ def _keep_count(ratio: float, n: int) -> int:
 
 
 class _BackwardSampledLinearFunction(torch.autograd.Function):
-    """Exact ``x2d @ weightᵀ + bias``; both backward GEMMs sampled at ``keep_ratio``."""
+    """Exact ``x2d @ weightᵀ + bias``; the weight-gradient GEMM (and, with ``sample_input_grad``, the
+    input-gradient GEMM) sampled at ``keep_ratio``."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, keep_ratio, method, random_share):
+    def forward(ctx, x2d, weight, bias, keep_ratio, method, random_share, sample_input_grad):
         out = x2d @ weight.t() if bias is None else torch.addmm(bias, x2d, weight.t())
         ctx.save_for_backward(x2d, weight)
-        ctx.options = (keep_ratio, method, random_share)
+        ctx.options = (keep_ratio, method, random_share, sample_input_grad)
         ctx.has_bias = bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
-        keep_ratio, method, random_share = ctx.options
+        keep_ratio, method, random_share, sample_input_grad = ctx.options
         grad_x = grad_w = grad_b = None
         with torch.no_grad():
             if ctx.needs_input_grad[0]:
-                out_features = weight.shape[0]
-                scores = pair_scores(squared_norms(grad_out, 0), squared_norms(weight, 1))
-                kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, out_features),
-                                                      random_share), scores)
-                grad_x = _scaled(grad_out.index_select(1, kept), scale, 1) @ weight.index_select(0, kept)
-            if ctx.needs_input_grad[1]:
-                rows = grad_out.shape[0]
-                scores = pair_scores(squared_norms(x2d, 1), squared_norms(grad_out, 1))
-                if rows == 0:
-                    grad_w = grad_out.new_zeros(weight.shape)
-                else:
-                    kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, rows),
+                if sample_input_grad:
+                    scores = pair_scores(squared_norms(grad_out, 0), squared_norms(weight, 1))
+                    kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, weight.shape[0]),
                                                           random_share), scores)
-                    grad_w = _scaled(grad_out.index_select(0, kept), scale, 0).t() @ x2d.index_select(0, kept)
+                    grad_x = _scaled(grad_out.index_select(1, kept), scale, 1) @ weight.index_select(0, kept)
+                else:
+                    grad_x = grad_out @ weight
+            if ctx.needs_input_grad[1]:
+                grad_w = sampled_rows_product(grad_out, x2d, keep_ratio, method, random_share)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = grad_out.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def sampled_rows_product(grad_out: torch.Tensor, x2d: torch.Tensor, keep_ratio: float, method: str,
+                         random_share: float = 0.0) -> torch.Tensor:
+    """``grad_outᵀ · x2d`` (a weight gradient) summed over ``keep_ratio`` of the rows, chosen by
+    ``‖x_b‖·‖dy_b‖`` with ``method`` (and scaled when it is unbiased)."""
+    rows = grad_out.shape[0]
+    if rows == 0:
+        return grad_out.new_zeros(grad_out.shape[1], x2d.shape[1])
+    scores = pair_scores(squared_norms(x2d, 1), squared_norms(grad_out, 1))
+    kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, rows), random_share), scores)
+    return _scaled(grad_out.index_select(0, kept), scale, 0).t() @ x2d.index_select(0, kept)
 
 
 def backward_sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            keep_ratio: float, method: str = "topk", random_share: float = 0.0) -> torch.Tensor:
+                            keep_ratio: float, method: str = "topk", random_share: float = 0.0,
+                            sample_input_grad: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` exactly, with the backward GEMMs sampled (backward sampling).
 
-    ``dX`` keeps ``round(keep_ratio · out_features)`` output features, ``dW`` keeps
-    ``round(keep_ratio · rows)`` batch rows. ``keep_ratio >= 1`` is exact.
+    ``dW`` keeps ``round(keep_ratio · rows)`` batch rows (tokens, for ``(B, T, C)`` inputs);
+    ``dX`` keeps ``round(keep_ratio · out_features)`` output features, or is exact with
+    ``sample_input_grad=False`` (weight-gradient sampling: only the layer's own gradient is
+    approximated, nothing propagates to the layers below). ``keep_ratio >= 1`` is exact.
 
     Example::
 
@@ -187,5 +202,5 @@ def backward_sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
     lead_shape = x.shape[:-1]
     out = _BackwardSampledLinearFunction.apply(x.reshape(-1, in_features), weight, bias, keep_ratio, method,
-                                               random_share)
+                                               random_share, sample_input_grad)
     return out.reshape(*lead_shape, weight.shape[0])

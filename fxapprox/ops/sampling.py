@@ -9,7 +9,8 @@ no scaling is applied). Selectors are registered by name; ``method=`` on
 :func:`fxapprox.approximate` picks one.
 
 No selector synchronises with the host except through the size of its output
-(``crs`` and ``bernoulli`` keep a data-dependent number of distinct pairs).
+(``crs``, ``bernoulli`` and ``wta_crs`` keep a data-dependent number of distinct
+pairs; ``wta_crs`` also reads its split point and remaining mass on the host).
 """
 
 from __future__ import annotations
@@ -112,6 +113,50 @@ def select_bernoulli(scores: torch.Tensor, k: int, random_share: float = 0.0) ->
     probabilities = bernoulli_probabilities(scores, k)
     kept = torch.nonzero(torch.rand_like(probabilities) < probabilities).flatten()
     return kept, 1.0 / probabilities[kept]
+
+
+def wta_crs_split(probabilities: torch.Tensor, k: int) -> int:
+    """How many of the ``k`` slots WTA-CRS fills deterministically: the ``c`` in ``[0, k)`` minimising
+    ``(1 − Σ_{top c} p) / (k − c)`` (Liu et al.'s variance bound; ``probabilities`` sorted descending)."""
+    head = torch.cumsum(probabilities[: k - 1], 0) if k > 1 else probabilities.new_zeros(0)
+    mass_before = torch.cat([probabilities.new_zeros(1), head])           # Σ_{top c} p for c = 0..k−1
+    remaining_slots = torch.arange(k, 0, -1, device=probabilities.device, dtype=probabilities.dtype)
+    return int(torch.argmin((1.0 - mass_before).clamp_min(0) / remaining_slots))
+
+
+@register_method("wta_crs")
+def select_wta_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Winner-take-all CRS (Liu et al., NeurIPS 2023): the ``c`` most probable pairs kept as they are, the
+    other ``k − c`` slots drawn i.i.d. from the remaining distribution and scaled — unbiased, and far less
+    variance than plain CRS when a few pairs carry most of the mass.
+
+    ``p_i ∝ w_i`` (uniform when every ``w`` is 0). A drawn pair ``j`` is scaled by
+    ``count_j · (1 − Σ_C p) / (p_j · (k − c))``; kept winners by 1. ``random_share`` is ignored (the draws
+    already reach every pair with ``w_i > 0``; a pair with ``w_i = 0`` contributes nothing).
+    """
+    n = scores.numel()
+    if k >= n:
+        kept = torch.arange(n, device=scores.device)
+        return kept, torch.ones(n, dtype=torch.float32, device=scores.device)
+    weights = scores.float()
+    total = weights.sum()
+    probabilities = weights / total if total > 0 else torch.full_like(weights, 1.0 / n)
+    ordered, order = torch.sort(probabilities, descending=True)
+    winners = wta_crs_split(ordered, k)
+    rest = order[winners:]
+    rest_probabilities = probabilities[rest]
+    rest_mass = float(rest_probabilities.sum())   # summed from the tail: exact even when it is tiny
+    if rest_mass <= 0.0:
+        kept = order[:winners].sort().values   # the winners carry all the mass: exact
+        return kept, torch.ones(kept.numel(), dtype=torch.float32, device=scores.device)
+    draws = k - winners
+    picked = rest[torch.multinomial(rest_probabilities, draws, replacement=True)]
+    sampled, counts = torch.unique(picked, sorted=False, return_counts=True)
+    sampled_scale = counts.to(torch.float32) * rest_mass / (probabilities[sampled] * draws)
+    kept = torch.cat([order[:winners], sampled])
+    scale = torch.cat([torch.ones(winners, dtype=torch.float32, device=scores.device), sampled_scale])
+    kept, position = kept.sort()
+    return kept, scale[position]
 
 
 def select_pairs(method: str, scores: torch.Tensor, k: int,

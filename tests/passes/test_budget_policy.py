@@ -31,6 +31,8 @@ X = torch.randn(4, 3, 12, 12)
 
 
 def _plan(budget=0.5, **config):
+    """The FLOP-ranked policy (``policy="flops"``); the measured policy has its own tests."""
+    config.setdefault("policy", "flops")
     return fxapprox.approximate(Net(), budget, example_inputs=(X,), config=ApproxConfig(**config)).plan
 
 

@@ -141,13 +141,13 @@ def test_compact_max_pool_rewrite_and_its_saved_bytes():
 
 def test_config_validation_names_the_argument():
     with pytest.raises(ValueError, match="activation_bits"):
-        ApproxConfig(activation_bits=3)
+        ApproxConfig(policy="flops", activation_bits=3)
     with pytest.raises(ValueError, match="activation_group_size"):
-        ApproxConfig(activation_group_size=100)
+        ApproxConfig(policy="flops", activation_group_size=100)
     with pytest.raises(ValueError, match="activation_rounding"):
-        ApproxConfig(activation_rounding="up")
+        ApproxConfig(policy="flops", activation_rounding="up")
     with pytest.raises(TypeError, match="activation_compile"):
-        ApproxConfig(activation_compile="yes")
+        ApproxConfig(policy="flops", activation_compile="yes")
     with pytest.raises(ValueError, match="memory_budget"):
         fxapprox.approximate(Block(), memory_budget=1.5)
 

@@ -25,7 +25,7 @@ class Mixed(nn.Module):
 
 
 def test_rewrite_replaces_exactly_the_planned_nodes():
-    config = fxapprox.ApproxConfig(keep_ratio=0.5, min_channels=8)
+    config = fxapprox.ApproxConfig(policy="flops", keep_ratio=0.5, min_channels=8)
     approx = fxapprox.approximate(Mixed(), 0.3, example_inputs=(torch.randn(4, 32, 6, 6),), config=config)
     plan = approx.plan
     assert {d.node for d in plan.approximated} == {"conv", "fc", "linear", "matmul", "matmul_1"}
@@ -45,7 +45,7 @@ def test_rewrite_replaces_exactly_the_planned_nodes():
 
 def test_node_meta_carries_the_plan():
     approx = fxapprox.approximate(Mixed(), 0.5, example_inputs=(torch.randn(4, 32, 6, 6),),
-                                  config=fxapprox.ApproxConfig(min_channels=8))
+                                  config=fxapprox.ApproxConfig(policy="flops", min_channels=8))
     node = next(n for n in approx.graph.nodes if n.name == "fc")
     meta = node.meta["fxapprox"]
     assert meta["plan"]["approximate"] and meta["plan"]["k"] == approx.fc.fxapprox_spec.k
@@ -55,7 +55,8 @@ def test_node_meta_carries_the_plan():
 def test_eval_and_exact_switch_equal_original_for_mixed_model():
     model = Mixed()
     x = torch.randn(4, 32, 6, 6)
-    approx = fxapprox.approximate(model, 0.3, example_inputs=(x,), config=fxapprox.ApproxConfig(min_channels=8))
+    approx = fxapprox.approximate(model, 0.3, example_inputs=(x,),
+                                  config=fxapprox.ApproxConfig(policy="flops", min_channels=8))
     approx.set_approximate(False)
     torch.testing.assert_close(approx(x), model(x), rtol=0, atol=0)
     approx.set_approximate(True)

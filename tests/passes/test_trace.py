@@ -5,6 +5,9 @@ from torch import nn
 import fxapprox
 from fxapprox.passes.trace import trace
 
+#: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
+FLOPS = fxapprox.ApproxConfig(policy="flops")
+
 
 class Branchy(nn.Module):
     def forward(self, x):
@@ -25,7 +28,7 @@ class Outer(nn.Module):
 
 def test_untraceable_model_names_module_and_line():
     with pytest.raises(fxapprox.TraceError) as info:
-        fxapprox.approximate(Outer(), 0.5)
+        fxapprox.approximate(Outer(), 0.5, config=FLOPS)
     message = str(info.value)
     assert "'inner'" in message and "Branchy" in message
     assert "if x.sum() > 0" in message and "test_trace.py" in message
@@ -34,7 +37,7 @@ def test_untraceable_model_names_module_and_line():
 
 
 def test_leaf_module_fix_works_and_leaf_stays_exact():
-    config = fxapprox.ApproxConfig(leaf_modules=("inner",), min_channels=8)
+    config = fxapprox.ApproxConfig(policy="flops", leaf_modules=("inner",), min_channels=8)
     approx = fxapprox.approximate(Outer(), 0.5, example_inputs=(torch.randn(4, 16),), config=config)
     assert [n.target for n in approx.graph.nodes if n.op == "call_module"] == ["inner", "fc"]
     assert approx.plan.decision("fc").approximate

@@ -7,6 +7,9 @@ import fxapprox
 from fxapprox.passes import follow_training_mode, trace
 from fxapprox.passes.training_flags import ModeFollowingCall
 
+#: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
+FLOPS = fxapprox.ApproxConfig(policy="flops")
+
 
 class Drop(nn.Module):
     def __init__(self):
@@ -34,7 +37,7 @@ def test_constant_training_flags_follow_the_mode():
 def test_approximate_eval_matches_a_model_with_dropout():
     model = Drop()
     x = torch.randn(8, 32)
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=FLOPS)
     model.eval(), approx.eval()
     torch.testing.assert_close(approx(x), model(x), rtol=0, atol=0)
     assert list(approx.state_dict()) == list(model.state_dict())

@@ -1,0 +1,225 @@
+"""The measured planner: what it costs to plan, and whether its estimators learn (issue 13).
+
+Sections (each printed as a table and written to BENCHMARKS.md):
+
+* ``planning`` — wall time of ``fxapprox report torchvision:resnet50 --input-shape 8,3,224,224`` with the
+  FLOP policy and with the measured policy, in the same run (subprocesses, one after the other);
+* ``estimators`` — the MLP 512→1024→1024→10 on Gaussian inputs (label: argmax of the first 10 features),
+  SGD 0.1 / momentum 0.9, batch 128, 60 steps: final loss (exact evaluation on held-out batches) of the
+  exact model and of each method under the FLOP policy (budget 0.5, the old default; and
+  ``mode="backward"``) and under the measured policy at budget 0.75 (timing off, no tolerance: the
+  question is whether the estimators learn at that FLOP level);
+* ``calibration`` — eleven fixed plans (one mode, method and keep-ratio on every linear layer of the
+  transformer blocks) of the char transformer of ``examples/char_transformer.py``, each trained 400 steps:
+  the measured policy's predicted model-gradient error of the plan against the validation loss it reached
+  (the ranking the policy's constants were fitted to);
+* ``bits`` — the memory policy measures each saved value at 4 bits and scales to 2 and 8 bits by the
+  quantisation step; on a 2-block char transformer it also measures 2 and 8 bits directly and prints
+  measured / extrapolated.
+
+Usage: python benchmarks/bench_planner.py [--only planning,estimators,bits] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import fxapprox  # noqa: E402
+from _common import machine_line, markdown_table, print_table, write_section  # noqa: E402
+from fxapprox import ApproxConfig  # noqa: E402
+
+METHODS = ("topk", "crs", "bernoulli", "wta_crs", "auto")
+
+
+def planning(repeats: int) -> str:
+    rows = []
+    times: dict[str, list[float]] = {"flops": [], "measured": []}
+    for _ in range(repeats):
+        for policy in times:
+            start = time.perf_counter()
+            result = subprocess.run([sys.executable, "-m", "fxapprox.cli", "report", "torchvision:resnet50",
+                                     "--input-shape", "8,3,224,224", "--policy", policy, "--json"],
+                                    capture_output=True, text=True, check=True)
+            times[policy].append(time.perf_counter() - start)
+            if policy == "measured":
+                import json
+                note = json.loads(result.stdout)["note"]
+    flops, measured = statistics.median(times["flops"]), statistics.median(times["measured"])
+    rows.append(["FLOP policy (`--policy flops`)", f"{flops:.1f}", "1.00×"])
+    rows.append(["measured policy (default)", f"{measured:.1f}", f"{measured / flops:.2f}×"])
+    headers = ["`fxapprox report torchvision:resnet50 --input-shape 8,3,224,224`", "wall s (median)",
+               "vs FLOP policy"]
+    print_table("planning cost", headers, rows)
+    return (f"{machine_line()}; median of {repeats} runs each, whole command (import, model, analysis, plan).\n\n"
+            + markdown_table(headers, rows) + f"\n\nMeasured plan's note: {note}\n")
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(512, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 10)
+
+    def forward(self, x):
+        return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def _mlp_data():
+    generator = torch.Generator().manual_seed(1)
+    xs = torch.randn(60, 128, 512, generator=generator)
+    val = torch.randn(2048, 512, generator=generator)
+    return xs, xs[..., :10].argmax(-1), val, val[:, :10].argmax(-1)
+
+
+def _train_mlp(model, data) -> float:
+    xs, ys, val_x, val_y = data
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        return F.cross_entropy(model(val_x), val_y).item()
+
+
+def estimators() -> str:
+    data = _mlp_data()
+    torch.manual_seed(0)
+    base = MLP()
+    exact = _train_mlp(fxapprox.approximate(base, 1.0, example_inputs=(data[0][0],)), data)
+    rows = []
+    for method in METHODS:
+        row = [method]
+        settings = [("flops", 0.5, None), ("flops", 0.5, "backward"), ("measured", 0.75, None)]
+        for policy, budget, mode in settings:
+            config = ApproxConfig(policy=policy, mode=mode, min_speedup=None, max_grad_error=None)
+            if policy == "flops" and method == "auto":
+                row += ["-", "-"]
+                continue
+            torch.manual_seed(0)
+            approx = fxapprox.approximate(base, budget, example_inputs=(data[0][0],), method=method, config=config)
+            loss = _train_mlp(approx, data)
+            row += [f"{approx.plan.achieved:.3f}", f"{loss:.3f} ({loss / exact - 1:+.0%})"]
+            if policy == "measured":
+                row.append("; ".join(f"{d.target}: {d.mode} {d.method} {d.keep_ratio:.2f}"
+                                     for d in approx.plan.approximated) or "exact")
+        rows.append(row)
+    headers = ["method", "FLOP policy 0.5: planned", "loss", "FLOP policy 0.5, backward: planned", "loss",
+               "measured 0.75: planned", "loss", "measured plan"]
+    print_table(f"MLP estimators (exact loss {exact:.3f})", headers, rows)
+    return (f"{machine_line()}. Exact model: final loss **{exact:.3f}** (from 2.30). Loss in brackets: against "
+            "exact. Target: every method within 15% of exact while planning ≤ 0.75 of the FLOPs.\n\n"
+            + markdown_table(headers, rows) + "\n")
+
+
+CALIBRATION_PLANS = ("forward topk 0.75", "forward topk 0.5", "weight_grad wta_crs 0.5", "weight_grad wta_crs 0.25",
+                     "weight_grad topk 0.5", "weight_grad topk 0.25", "backward wta_crs 0.75",
+                     "backward wta_crs 0.5", "backward wta_crs 0.25", "backward topk 0.75", "backward topk 0.5")
+
+
+def calibration(steps: int) -> str:
+    import copy
+    from types import SimpleNamespace
+
+    from _text import encode, load_corpus, windows
+    from char_transformer import CharTransformer, evaluate, train
+
+    data, vocab = encode(load_corpus(2_000_000))
+    split = int(0.9 * len(data))
+    train_data, val_data = data[:split], data[split:]
+    val_stream = windows(val_data, 128, 32, torch.Generator().manual_seed(2))
+    val_batches = [next(val_stream) for _ in range(8)]
+    args = SimpleNamespace(seq=128, batch=16, lr=2e-3, warmup=50, steps=steps, eval_every=steps)
+    torch.manual_seed(0)
+    base = CharTransformer(len(vocab))
+    example = (next(windows(train_data, 128, 16, torch.Generator().manual_seed(3)))[0],)
+    exact = train(copy.deepcopy(base), args, train_data, val_batches, "exact")[-1][2]
+    rows = []
+    for label in CALIBRATION_PLANS:
+        mode, method, ratio = label.split()
+        config = ApproxConfig(min_speedup=None, max_grad_error=None, overrides=(
+            fxapprox.LayerOverride(r"blocks\..*", mode=mode, method=method, keep_ratio=float(ratio)),
+            fxapprox.LayerOverride(r".*", exclude=True)))
+        approx = fxapprox.approximate(copy.deepcopy(base), 0.99, example_inputs=example, config=config)
+        loss = train(approx, args, train_data, val_batches, label)[-1][2]
+        rows.append((approx.plan.predicted_error, label, approx.plan.achieved, loss))
+    rows.sort()
+    table = [[label, f"{achieved:.2f}", f"{predicted:.3f}", f"{loss:.4f}", f"{loss / exact - 1:+.1%}"]
+             for predicted, label, achieved, loss in rows]
+    losses = [loss for *_, loss in rows]
+    inversions = sum(1 for i in range(len(losses)) for j in range(i + 1, len(losses)) if losses[j] < losses[i])
+    pairs = len(losses) * (len(losses) - 1) // 2
+    headers = ["plan (every block linear)", "planned FLOPs", "predicted model-gradient error", "val loss",
+               "vs exact"]
+    print_table(f"calibration (exact {exact:.4f})", headers, table)
+    return (f"{machine_line()}; char transformer (4 blocks, d=256, batch 16×128, AdamW 2e-3), {steps} steps; "
+            f"exact: val loss **{exact:.4f}**. Sorted by predicted error; {inversions} of {pairs} pairs ranked "
+            "against the measured loss.\n\n" + markdown_table(headers, table) + "\n")
+
+
+def bits() -> str:
+    import fxapprox.passes.measure_saved as measure_saved
+    from _text import encode, load_corpus, windows
+    from char_transformer import CharTransformer
+
+    data, vocab = encode(load_corpus(500_000))
+    torch.manual_seed(0)
+    model = CharTransformer(len(vocab), layers=2)
+    example = (next(windows(data, 128, 16, torch.Generator().manual_seed(3)))[0],)
+    measured = {}
+    try:
+        for width in (2, 4, 8):
+            measure_saved.MEASURED_BITS = width
+            approx = fxapprox.approximate(model, 1.0, memory_budget=0.125, example_inputs=example)
+            measured[width] = {n.name: n.meta["fxapprox"]["bit_errors"] for n in approx.graph.nodes
+                               if "bit_errors" in n.meta.get("fxapprox", {})}
+    finally:
+        measure_saved.MEASURED_BITS = 4
+    ratios = {2: [], 8: []}
+    for name, from_four in measured[4].items():
+        for width in ratios:
+            if from_four[width]["contribution"] > 0:
+                ratios[width].append(measured[width][name][width]["contribution"] / from_four[width]["contribution"])
+    rows = [[f"{w} bits", str(len(r)), f"{min(r):.2f}", f"{statistics.median(r):.2f}", f"{max(r):.2f}"]
+            for w, r in ratios.items()]
+    headers = ["width", "values", "measured / extrapolated: min", "median", "max"]
+    print_table("bit-width extrapolation", headers, rows)
+    return f"{machine_line()}; 2-block char transformer (d=256), batch 16×128.\n\n" + markdown_table(headers, rows)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="planning,estimators,calibration,bits")
+    parser.add_argument("--steps", type=int, default=400, help="training steps per calibration plan")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="planning runs per policy")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sections = args.only.split(",")
+    if "planning" in sections:
+        write_section("planner-cost", "## Planning cost (`benchmarks/bench_planner.py`)\n\n" + planning(args.repeats))
+    if "estimators" in sections:
+        write_section("planner-estimators", "## Estimators on an MLP (`benchmarks/bench_planner.py`)\n\n"
+                      + estimators())
+    if "calibration" in sections:
+        write_section("planner-calibration", "## Predicted error against training, char transformer "
+                      "(`benchmarks/bench_planner.py`)\n\n" + calibration(args.steps))
+    if "bits" in sections:
+        write_section("planner-bits", "## Saved-value widths: 4-bit measurement scaled to 2 and 8 bits "
+                      "(`benchmarks/bench_planner.py`)\n\n" + bits())
+
+
+if __name__ == "__main__":
+    main()

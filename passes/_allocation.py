@@ -1,0 +1,77 @@
+"""Least-error allocation under a budget: the multiple-choice knapsack both measured policies solve.
+
+Each item (a layer, a saved value) has options — dicts with a ``saving`` (FLOPs or bytes, > 0) and a
+``contribution`` (its predicted squared error) — besides "leave it exact" at (0, 0). Each item's
+options are reduced to their lower convex hull; the hull steps of all items are taken in order of
+least error per unit saved (the greedy solution of the Lagrangian relaxation, optimal at the hull
+vertices) until ``needed`` is saved, skipping steps that would take the total past ``error_cap²``;
+last, each chosen item gets the least-error option of its own that still meets ``needed`` (the final
+step may overshoot).
+"""
+
+from __future__ import annotations
+
+_TOLERANCE = 1e-9
+
+
+def lower_hull(options: list[dict]) -> list[dict]:
+    """The options on the lower convex hull of (saving, contribution) from (0, 0), by saving."""
+    points = sorted(((o["saving"], o["contribution"], i) for i, o in enumerate(options) if o["saving"] > 0))
+    hull: list[tuple] = [(0, 0.0, None)]
+    for point in points:
+        if point[0] == hull[-1][0] and point[1] >= hull[-1][1]:
+            continue
+        while len(hull) >= 2:
+            (x1, y1, _), (x2, y2, _) = hull[-2], hull[-1]
+            # drop the middle point when it lies on or above the segment from hull[-2] to the new point
+            if (y2 - y1) * (point[0] - x1) >= (point[1] - y1) * (x2 - x1):
+                hull.pop()
+            else:
+                break
+        hull.append(point)
+    return [options[i] for _, _, i in hull[1:]]
+
+
+def least_error_allocation(items: list, options: dict, needed: float,
+                           error_cap: float | None) -> tuple[dict, float, float, set]:
+    """``(chosen option per item, saved, total contribution, items whose next step the cap refused)``.
+
+    Example::
+
+        >>> opts = {"a": [{"saving": 10, "contribution": 1.0}], "b": [{"saving": 10, "contribution": 0.1}]}
+        >>> least_error_allocation(["a", "b"], opts, 10, None)[0]
+        {'b': {'saving': 10, 'contribution': 0.1}}
+    """
+    steps = []
+    for order, item in enumerate(items):
+        previous_saving, previous_error = 0, 0.0
+        for depth, option in enumerate(lower_hull(options.get(item, []))):
+            extra_saving, extra_error = option["saving"] - previous_saving, option["contribution"] - previous_error
+            steps.append((extra_error / extra_saving, order, depth, item, option, extra_saving, extra_error))
+            previous_saving, previous_error = option["saving"], option["contribution"]
+    steps.sort(key=lambda s: s[:3])
+    chosen: dict = {}
+    saved, total = 0.0, 0.0
+    capped: set = set()
+    for *_, item, option, extra_saving, extra_error in steps:
+        if saved >= needed - _TOLERANCE:
+            break
+        if item in capped:
+            continue
+        if error_cap is not None and total + extra_error > error_cap ** 2 + _TOLERANCE:
+            capped.add(item)
+            continue
+        chosen[item] = option
+        saved += extra_saving
+        total += extra_error
+    for item in reversed(list(chosen)):
+        current = chosen[item]
+        for option in sorted(options[item], key=lambda o: o["contribution"]):
+            if option["contribution"] >= current["contribution"]:
+                break
+            if saved - current["saving"] + option["saving"] >= needed - _TOLERANCE:
+                saved += option["saving"] - current["saving"]
+                total += option["contribution"] - current["contribution"]
+                chosen[item] = option
+                break
+    return chosen, saved, total, capped
