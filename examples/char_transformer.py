@@ -9,7 +9,10 @@ batches are trained under each configuration:
 * ``flops 0.5`` — ``approximate(model, 0.5, config=ApproxConfig(policy="flops"))``:
   the FLOP-ranked plan (every layer at one common keep-ratio), the old default;
 * ``measured 0.5`` / ``measured 0.7`` — ``approximate(model, budget)``: the measured
-  plan (errors and speed of every candidate on the example batch).
+  plan (errors and speed of every candidate on the example batch);
+* ``memory 0.125`` / ``memory-width 0.125`` (with ``--configs``) — ``memory_budget=0.125``
+  with the widths chosen by measured gradient error, or widest-first (the old policy);
+  "planned FLOPs" is then the planned fraction of saved-activation bytes.
 
 It prints each plan's note, the validation loss (exact evaluation) at equal steps
 and at equal wall-clock (the exact curve interpolated at the approximated run's
@@ -111,7 +114,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--configs", default="exact,flops 0.5,measured 0.5,measured 0.7",
-                        help="comma-separated: exact, 'flops B', 'measured B'")
+                        help="comma-separated: exact, 'flops B', 'measured B', 'memory B', 'memory-width B'")
     parser.add_argument("--plot", default=None, help="write validation loss vs wall-clock to this PNG")
     parser.add_argument("--json", default=None, help="write the curves and the comparison to this JSON file")
     args = parser.parse_args(argv)
@@ -132,17 +135,24 @@ def main(argv=None) -> dict:
         model = copy.deepcopy(base)
         result: dict = {}
         if label != "exact":
-            policy, budget = label.split()
+            kind, budget = label.split()
             start = time.perf_counter()
-            model = fxapprox.approximate(model, float(budget), example_inputs=example,
-                                         config=fxapprox.ApproxConfig(policy=policy, progress=True))
+            if kind.startswith("memory"):   # saved activations only: "memory B" (measured widths), "memory-width B"
+                policy = "width" if kind == "memory-width" else "measured"
+                model = fxapprox.approximate(model, 1.0, memory_budget=float(budget), example_inputs=example,
+                                             config=fxapprox.ApproxConfig(activation_policy=policy, progress=True))
+            else:
+                model = fxapprox.approximate(model, float(budget), example_inputs=example,
+                                             config=fxapprox.ApproxConfig(policy=kind, progress=True))
             plan = model.plan
-            result.update(achieved=plan.achieved, predicted_error=plan.predicted_error,
-                          planning_s=time.perf_counter() - start, note=plan.note,
+            note = plan.note if plan.memory is None else plan.memory.note
+            result.update(achieved=plan.achieved if plan.memory is None else plan.memory.achieved,
+                          predicted_error=plan.predicted_error if plan.memory is None else plan.memory.predicted_error,
+                          planning_s=time.perf_counter() - start, note=note,
                           layers=[{"layer": d.target, "mode": d.mode, "method": d.method, "keep": d.keep_ratio,
                                    "predicted_error": d.predicted_error, "speedup": d.measured_speedup}
                                   for d in plan.approximated])
-            print(f"{label}: planned in {result['planning_s']:.1f} s — {plan.note}")
+            print(f"{label}: planned in {result['planning_s']:.1f} s — {note}")
             for d in plan.approximated:
                 speed = "" if d.measured_speedup is None else f" {d.measured_speedup:.2f}x"
                 print(f"    {d.target:18s} {d.mode:11s} {d.method:8s} keep {d.keep_ratio:.2f}{speed}")

@@ -46,7 +46,9 @@ one's relative gradient error, and errors of different layers add in squares:
   weight gradients are the exact gradients of the sampled forward — and pays
   with the gap between that forward and the exact one that evaluation runs,
   which training narrows (the weights adapt to the sampled forward): it adds
-  ``FORWARD_DISCOUNT · e_out² / N``, the discount ``1/3``.
+  ``FORWARD_DISCOUNT · (bias_out² + noise_out²) / N``, the discount ``1/3``. The
+  output's noise is not discounted over steps: an unbiased forward (CRS) is a
+  different function each step, and its noise compounds through the layers above.
 
 This is a first-order model measured at the example batch's weights. The two
 constants (``noise_horizon`` 30, the forward discount 1/3) were fitted to eleven
@@ -65,7 +67,7 @@ from dataclasses import dataclass
 import networkx as nx
 import torch.fx
 
-from fxapprox.config import ApproxConfig
+from fxapprox.config import AUTO_METHODS, ApproxConfig
 from fxapprox.op_kinds import handler_for, kept_count
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.passes._allocation import least_error_allocation
@@ -153,10 +155,18 @@ def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str,
 FORWARD_DISCOUNT = 1 / 3
 
 
-def predicted_contribution(errors: dict, input_weight: float, owners: int, mode: str = "backward") -> float:
-    """A candidate's share of the squared model-gradient error (see the module docstring)."""
+def predicted_contribution(errors: dict, input_weight: float, owners: int, mode: str = "backward",
+                           bias: dict | None = None, noise: dict | None = None) -> float:
+    """A candidate's share of the squared model-gradient error (see the module docstring).
+
+    In forward mode the output's noise counts whole when ``bias`` and ``noise`` are given: a noisy forward
+    is a different function each step, and its error compounds through the layers above within the step.
+    """
     if mode == "forward":
-        return FORWARD_DISCOUNT * errors.get("output", 0.0) ** 2 / owners
+        output = errors.get("output", 0.0) ** 2
+        if bias is not None and noise is not None:
+            output = bias.get("output", 0.0) ** 2 + noise.get("output", 0.0) ** 2
+        return FORWARD_DISCOUNT * output / owners
     return (errors.get("weight_grad", 0.0) ** 2 + input_weight * errors.get("input_grad", 0.0) ** 2) / owners
 
 
@@ -178,8 +188,9 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
             continue
         measured = [c for c in meta.get("candidates", []) if c["blocked"] is None and "errors" in c]
         for candidate in measured:
-            candidate["contribution"] = predicted_contribution(candidate["errors"], weights.get(node.name, 0.0),
-                                                               owners, candidate["mode"])
+            candidate["contribution"] = predicted_contribution(
+                candidate["errors"], weights.get(node.name, 0.0), owners, candidate["mode"], candidate.get("bias"),
+                candidate.get("noise"))
             candidate["predicted_error"] = math.sqrt(candidate["contribution"])
         fast = [c for c in measured if config.min_speedup is None or
                 (c.get("speedup") is not None and c["speedup"] >= config.min_speedup)]
@@ -213,16 +224,22 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
     for node in free:
         for candidate in usable[node]:
             candidate["saving"] = _saving(node, candidate)
-    chosen, _, squared, capped = least_error_allocation(free, usable, needed, cap)
+    chosen, saved, squared, capped = least_error_allocation(free, usable, needed, cap)
+    if chosen and saved > needed + _TOLERANCE:
+        squared += _raise_last_ratio(chosen, usable, saved - needed)
     # The same allocation without the tolerance: what meeting the budget would cost (for the note).
-    _, uncapped_saved, uncapped_squared, _ = least_error_allocation(free, usable, needed, None)
+    uncapped, uncapped_saved, uncapped_squared, _ = least_error_allocation(free, usable, needed, None)
+    if uncapped and uncapped_saved > needed + _TOLERANCE:
+        uncapped_squared += _raise_last_ratio(uncapped, usable, uncapped_saved - needed)
     summary.update(squared_error=fixed_error + squared, capped=bool(capped),
                    uncapped_error=math.sqrt(fixed_error + uncapped_squared),
                    uncapped_reachable=uncapped_saved >= needed - _TOLERANCE)
     for node in free:
         candidate = chosen.get(node)
         if candidate is not None:
-            choices[node] = _Choice(candidate, f"least error per FLOP saved: {_describe(candidate)}",
+            raised = ", keep-ratio raised so no more is cut than the budget needs" if candidate.get("interpolated") \
+                else ""
+            choices[node] = _Choice(candidate, f"least error per FLOP saved: {_describe(candidate)}{raised}",
                                     candidate["predicted_error"])
         elif node in capped:
             best = min(usable[node], key=lambda c: c["contribution"])
@@ -231,6 +248,47 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
         else:
             choices[node] = _Choice(None, "not needed: layers with less error per FLOP saved meet the budget")
     return choices
+
+
+def _interpolate(low: dict, high: dict | None, weight: float, key: str):
+    """``low[key]`` moved ``weight`` of the way to ``high[key]`` (``high is None``: the exact op — 0 error,
+    speed-up 1); ``None`` when ``low`` has no value."""
+    if low.get(key) is None:
+        return None
+    if isinstance(low[key], dict):
+        return {name: _interpolate(low[key], None if high is None else high[key], weight, name) for name in low[key]}
+    target = (1.0 if key == "speedup" else 0.0) if high is None else high[key]
+    return None if target is None else low[key] + weight * (target - low[key])
+
+
+def _raise_last_ratio(chosen: dict, usable: dict, overshoot: float) -> float:
+    """Raise the keep-ratio of the layer taken last so the plan cuts no more FLOPs than the budget needs.
+
+    Between its grid point and the next one up (same mode and method, or the exact op) the FLOPs are exact
+    and the errors and speed-up are interpolated linearly in ``k``. Returns the change of the squared error.
+    """
+    node = list(chosen)[-1]
+    low = chosen[node]
+    meta = fx_meta(node)
+    n = low["n"]
+    above = [c for c in usable[node] if c["mode"] == low["mode"] and c["method"] == low["method"] and c["k"] > low["k"]]
+    high = min(above, key=lambda c: c["k"]) if above else None
+    k_high = high["k"] if high is not None else n
+    per_pair = low["saving"] / (n - low["k"]) if n > low["k"] else 0.0
+    if per_pair <= 0:
+        return 0.0
+    k = min(k_high - 1, low["k"] + math.floor(overshoot / per_pair + _TOLERANCE))
+    if k <= low["k"]:
+        return 0.0
+    weight = (k - low["k"]) / (k_high - low["k"])
+    raised = dict(low, k=k, keep_ratio=k / n, interpolated=True)
+    raised["flops"] = handler_for(meta).candidate_flops(meta, low["mode"], k / n)
+    raised["saving"] = train_flops(node) - raised["flops"]
+    for key in ("contribution", "speedup", "errors", "bias", "noise"):
+        raised[key] = _interpolate(low, high, weight, key)
+    raised["predicted_error"] = math.sqrt(max(raised["contribution"], 0.0))
+    chosen[node] = raised
+    return raised["contribution"] - low["contribution"]
 
 
 def _why_no_candidate(meta: dict, measured: list, config: ApproxConfig) -> str:
@@ -269,7 +327,13 @@ def _fixed_ratio_layers(layers, config: ApproxConfig, method: str, choices: dict
             choices[node] = _Choice(None, meta["blocker"])
             continue
         mode = _single_mode(meta)
-        chosen_method = meta["single_method"]
+        # One method per layer: "auto" is the mode's first auto method (top-k forward, WTA-CRS backward).
+        chosen_method = meta["requested_method"]
+        if chosen_method == "auto":
+            chosen_method = AUTO_METHODS[mode][0]
+        offered = handler_for(meta).methods
+        if offered is not None and chosen_method not in offered:
+            chosen_method = offered[0]
         settings[node] = (mode, chosen_method)
         handler = handler_for(meta)
         blocker = handler.mode_blocker(meta, mode, meta.get("pinned_ratio") or config.keep_ratio, 1,

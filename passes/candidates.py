@@ -131,9 +131,7 @@ def enumerate_candidates(gm: torch.fx.GraphModule, method: str, config: ApproxCo
                 methods = [m for m in methods if m in handler.methods] or list(handler.methods)
             return methods
         meta["allowed_methods"] = sorted({m for mode_name in modes for m in methods_for(mode_name)})
-        # The FLOP and uniform policies use one method per layer: "auto" means top-k there (the papers' choice).
-        single = "topk" if chosen_method == "auto" else chosen_method
-        meta["single_method"] = single if handler.methods is None or single in handler.methods else handler.methods[0]
+        meta["requested_method"] = chosen_method
         meta["allowed_modes"] = modes
         if override is not None and override.keep_ratio is not None:
             meta["pinned_ratio"] = override.keep_ratio

@@ -54,19 +54,15 @@ def test_unbiased_methods_train_and_spend_the_plan(method):
     plan = approx.plan
     assert {d.method for d in plan.approximated} == {method}
     flops = [_step_flops(approx, x) for _ in range(20)]
-    if method == "crs":
-        # k draws with replacement, duplicates merged: the plan is an upper bound
-        assert max(flops) <= plan.total_planned_flops
-        assert statistics.mean(flops) >= 0.6 * plan.total_planned_flops
-    else:
-        # Bernoulli keeps k pairs in expectation
-        assert statistics.mean(flops) == pytest.approx(plan.total_planned_flops, rel=0.1)
+    # both keep k distinct pairs in expectation (CRS draws until it expects k distinct ones)
+    assert statistics.mean(flops) == pytest.approx(plan.total_planned_flops, rel=0.1)
     assert all(torch.isfinite(p.grad).all() for p in approx.parameters())
 
 
 def test_backward_mode_keeps_forward_exact_and_meets_budget():
     model, x = CNN(), torch.randn(16, 3, 12, 12)
-    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=ApproxConfig(policy="flops", mode="backward"))
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), method="topk",   # deterministic FLOPs per step
+                                  config=ApproxConfig(policy="flops", mode="backward"))
     plan = approx.plan
     assert plan.budget_met and {d.mode for d in plan.approximated} == {"backward"}
     # the forward is the exact one even in training mode

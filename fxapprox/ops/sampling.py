@@ -69,17 +69,52 @@ def crs_probabilities(scores: torch.Tensor) -> torch.Tensor:
     return (1.0 - CRS_UNIFORM_MIX) * proportional + CRS_UNIFORM_MIX / n
 
 
+#: draws are capped at this many times the pairs they choose from (expected distinct pairs ≥ 98% of them)
+_MAX_DRAWS_PER_PAIR = 4
+
+
+def draws_for_distinct(probabilities: torch.Tensor, k: int) -> int:
+    """The number ``m`` of i.i.d. draws from ``probabilities`` whose expected count of distinct pairs,
+    ``Σ 1 − (1 − p_i)^m``, is ``k`` (at least ``k``; capped at 4 draws per pair).
+
+    Drawing only ``k`` times wastes part of the plan on duplicates (at ``k = n/2`` on even scores only 39% of
+    the pairs come out distinct, not 50%): the GEMM would run on fewer pairs than planned with the variance
+    of ``k`` draws. With ``m`` draws the planned FLOPs are spent, in expectation, and the variance falls as
+    ``1/m``.
+    """
+    n = probabilities.numel()
+    if k >= n:
+        return _MAX_DRAWS_PER_PAIR * n
+    missing = torch.log1p(-probabilities.double().clamp(max=1 - 1e-12))
+
+    def distinct(m: int) -> float:
+        return float((1.0 - torch.exp(m * missing)).sum())
+
+    low, high = k, _MAX_DRAWS_PER_PAIR * n
+    if distinct(high) <= k:
+        return high
+    while low < high:   # the expected distinct count grows with m: bisect for the smallest m reaching k
+        middle = (low + high) // 2
+        if distinct(middle) >= k:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 @register_method("crs")
 def select_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """CRS: ``k`` i.i.d. draws with ``p_i ∝ w_i`` (uniform-mixed), pair ``i`` scaled by ``c_i / (k p_i)``.
+    """CRS: ``m`` i.i.d. draws with ``p_i ∝ w_i`` (uniform-mixed), pair ``i`` scaled by ``c_i / (m p_i)``.
 
     ``c_i`` is how many times pair ``i`` was drawn, so duplicates are merged into one
-    kept pair (the smaller GEMM never sees the same column twice). Unbiased.
+    kept pair (the smaller GEMM never sees the same column twice); ``m`` is chosen so that
+    ``k`` distinct pairs are kept in expectation (:func:`draws_for_distinct`). Unbiased.
     """
     probabilities = crs_probabilities(scores.float())
-    draws = torch.multinomial(probabilities, k, replacement=True)
-    kept, counts = torch.unique(draws, sorted=True, return_counts=True)
-    return kept, counts.to(torch.float32) / (k * probabilities[kept])
+    draws = draws_for_distinct(probabilities, k)
+    picked = torch.multinomial(probabilities, draws, replacement=True)
+    kept, counts = torch.unique(picked, sorted=True, return_counts=True)
+    return kept, counts.to(torch.float32) / (draws * probabilities[kept])
 
 
 def bernoulli_probabilities(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -127,12 +162,15 @@ def wta_crs_split(probabilities: torch.Tensor, k: int) -> int:
 @register_method("wta_crs")
 def select_wta_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Winner-take-all CRS (Liu et al., NeurIPS 2023): the ``c`` most probable pairs kept as they are, the
-    other ``k − c`` slots drawn i.i.d. from the remaining distribution and scaled — unbiased, and far less
-    variance than plain CRS when a few pairs carry most of the mass.
+    other ``k − c`` slots filled by i.i.d. draws from the remaining distribution, scaled — unbiased, and far
+    less variance than plain CRS when a few pairs carry most of the mass.
 
-    ``p_i ∝ w_i`` (uniform when every ``w`` is 0). A drawn pair ``j`` is scaled by
-    ``count_j · (1 − Σ_C p) / (p_j · (k − c))``; kept winners by 1. ``random_share`` is ignored (the draws
-    already reach every pair with ``w_i > 0``; a pair with ``w_i = 0`` contributes nothing).
+    ``p_i ∝ w_i`` (uniform when every ``w`` is 0); ``c`` minimises Liu et al.'s bound
+    (:func:`wta_crs_split`). A drawn pair ``j`` is scaled by ``count_j · (1 − Σ_C p) / (p_j · m)``; winners
+    by 1. Unlike the paper's ``m = k − c`` draws, ``m`` is chosen so that ``k − c`` distinct pairs are drawn
+    in expectation (:func:`draws_for_distinct`): the plan's FLOPs are spent, not lost to duplicates.
+    ``random_share`` is ignored (the draws reach every pair with ``w_i > 0``; one with ``w_i = 0``
+    contributes nothing).
     """
     n = scores.numel()
     if k >= n:
@@ -149,7 +187,7 @@ def select_wta_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> t
     if rest_mass <= 0.0:
         kept = order[:winners].sort().values   # the winners carry all the mass: exact
         return kept, torch.ones(kept.numel(), dtype=torch.float32, device=scores.device)
-    draws = k - winners
+    draws = draws_for_distinct(rest_probabilities / rest_mass, k - winners)
     picked = rest[torch.multinomial(rest_probabilities, draws, replacement=True)]
     sampled, counts = torch.unique(picked, sorted=False, return_counts=True)
     sampled_scale = counts.to(torch.float32) * rest_mass / (probabilities[sampled] * draws)
