@@ -59,8 +59,12 @@ def _worker(rank: int, port: int, repetitions: int, out: str) -> None:
         generator = torch.Generator().manual_seed(10 + rank)
         x, y = torch.randn(*shape, generator=generator), torch.randint(0, 10, (shape[0],), generator=generator)
         exact = DistributedDataParallel(copy.deepcopy(model))
-        plain = DistributedDataParallel(fxapprox.approximate(copy.deepcopy(model), 0.5, example_inputs=(example,)))
-        hooked = DistributedDataParallel(fxapprox.approximate(copy.deepcopy(model), 0.5, example_inputs=(example,)))
+        # The FLOP-ranked plan: this benchmark is about the communication of every sampled layer.
+        flops = fxapprox.ApproxConfig(policy="flops")
+        plain = DistributedDataParallel(fxapprox.approximate(copy.deepcopy(model), 0.5, example_inputs=(example,),
+                                                             method="topk", config=flops))
+        hooked = DistributedDataParallel(fxapprox.approximate(copy.deepcopy(model), 0.5, example_inputs=(example,),
+                                                              method="topk", config=flops))
         state = fxapprox.distributed.register_sampled_allreduce(hooked)
         steps = {}
         for name, ddp in (("plain DDP, exact model", exact), ("plain DDP, budget 0.5", plain),

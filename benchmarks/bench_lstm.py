@@ -78,13 +78,14 @@ def main() -> None:
     x = torch.randn(steps, batch, size, requires_grad=True)
     grad = torch.randn(steps, batch, size)
 
-    dense_own = fxapprox.approximate(copy.deepcopy(model), budget=0.5, example_inputs=(x,))
+    flops = fxapprox.ApproxConfig(policy="flops")   # the sparse LSTM at the budget's ratio, whatever its speed
+    dense_own = fxapprox.approximate(copy.deepcopy(model), budget=0.5, example_inputs=(x,), config=flops)
     dense_own.lstm.fxapprox_spec = type(dense_own.lstm.fxapprox_spec)("topk", size, size, mode="backward")
     dense_own.lstm.fxapprox_always_own = True
     variants = {"nn.LSTM": model, "fxapprox dense path (keep 1.0)": dense_own}
     ratios = {"nn.LSTM": 1.0, "fxapprox dense path (keep 1.0)": 1.0}
     for label, budget in (("budget 2/3", 2 / 3), ("budget 0.5", 0.5)):
-        approx = fxapprox.approximate(copy.deepcopy(model), budget=budget, example_inputs=(x,))
+        approx = fxapprox.approximate(copy.deepcopy(model), budget=budget, example_inputs=(x,), config=flops)
         variants[label] = approx
         ratios[label] = approx.plan.decision("lstm").keep_ratio
     steps_fn = {name: _step(module, x, grad) for name, module in variants.items()}

@@ -13,6 +13,9 @@ Sections (each printed as a table and written to BENCHMARKS.md):
   transformer blocks) of the char transformer of ``examples/char_transformer.py``, each trained 400 steps:
   the measured policy's predicted model-gradient error of the plan against the validation loss it reached
   (the ranking the policy's constants were fitted to);
+* ``rows`` — on the same MLP, fc2's backward sampled at keep-ratio 0.2 one GEMM at a time with top-k: its
+  input gradient over output features, its weight gradient over batch rows, those rows rescaled to the
+  batch's score mass, and WTA-CRS over the rows (why ``method="auto"`` uses WTA-CRS for the backward modes);
 * ``bits`` — the memory policy measures each saved value at 4 bits and scales to 2 and 8 bits by the
   quantisation step; on a 2-block char transformer it also measures 2 and 8 bits directly and prints
   measured / extrapolated.
@@ -134,6 +137,67 @@ def estimators(seeds: int) -> str:
             "exact while planning ≤ 0.75 of the FLOPs.\n\n" + markdown_table(headers, rows) + "\n")
 
 
+class _OneSampledGEMM(torch.autograd.Function):
+    """``F.linear`` whose backward samples one GEMM: ``"dx"`` (top-k output features), ``"dw"`` (top-k rows),
+    ``"dw-rescaled"`` (top-k rows scaled to the batch's score mass) or ``"dw-wta"`` (WTA-CRS over rows)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, which, ratio):
+        ctx.save_for_backward(x, weight)
+        ctx.which, ctx.ratio = which, ratio
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from fxapprox.ops.linear import _keep_count, pair_scores, sampled_rows_product, squared_norms
+
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = grad @ weight, grad.t() @ x
+        if ctx.which == "dx":
+            scores = pair_scores(squared_norms(grad, 0), squared_norms(weight, 1))
+            kept = torch.topk(scores, _keep_count(ctx.ratio, weight.shape[0])).indices
+            grad_x = grad[:, kept] @ weight[kept]
+        elif ctx.which == "dw-wta":
+            grad_w = sampled_rows_product(grad, x, ctx.ratio, "wta_crs")
+        else:
+            scores = pair_scores(squared_norms(x, 1), squared_norms(grad, 1))
+            kept = torch.topk(scores, _keep_count(ctx.ratio, grad.shape[0])).indices
+            scale = scores.sum() / scores[kept].sum() if ctx.which == "dw-rescaled" else 1.0
+            grad_w = (grad[kept] * scale).t() @ x[kept]
+        return grad_x, grad_w, grad.sum(0), None, None
+
+
+class _SampledFC2(nn.Linear):
+    which, ratio = "dx", 0.2
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        return _OneSampledGEMM.apply(x, self.weight, self.bias, self.which, self.ratio)
+
+
+def rows(seeds: int) -> str:
+    results: dict[str, list[float]] = {}
+    for seed in range(seeds):
+        data = _mlp_data(seed + 1)
+        for which in ("exact", "dx", "dw", "dw-rescaled", "dw-wta"):
+            torch.manual_seed(seed)
+            model = MLP()
+            if which != "exact":
+                sampled = _SampledFC2(1024, 1024)
+                sampled.load_state_dict(model.fc2.state_dict())
+                sampled.which = which
+                model.fc2 = sampled
+            torch.manual_seed(0)
+            results.setdefault(which, []).append(_train_mlp(model, data))
+    labels = {"exact": "exact", "dx": "top-k dX over output features", "dw": "top-k dW over batch rows",
+              "dw-rescaled": "top-k dW rows, rescaled to the batch's score mass", "dw-wta": "WTA-CRS dW over rows"}
+    table = [[labels[w], f"{statistics.mean(v):.3f}"] for w, v in results.items()]
+    headers = ["fc2's backward at keep-ratio 0.2", f"final loss (mean of {seeds} seeds)"]
+    print_table("top-k over rows", headers, table)
+    return f"{machine_line()}; the MLP of the estimators section.\n\n" + markdown_table(headers, table) + "\n"
+
+
 CALIBRATION_PLANS = ("forward topk 0.75", "forward topk 0.5", "weight_grad wta_crs 0.5", "weight_grad wta_crs 0.25",
                      "weight_grad topk 0.5", "weight_grad topk 0.25", "backward wta_crs 0.75",
                      "backward wta_crs 0.5", "backward wta_crs 0.25", "backward topk 0.75", "backward topk 0.5")
@@ -144,7 +208,7 @@ def calibration(steps: int) -> str:
     from types import SimpleNamespace
 
     from _text import encode, load_corpus, windows
-    from char_transformer import CharTransformer, evaluate, train
+    from char_transformer import CharTransformer, train
 
     data, vocab = encode(load_corpus(2_000_000))
     split = int(0.9 * len(data))
@@ -211,7 +275,7 @@ def bits() -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="planning,estimators,calibration,bits")
+    parser.add_argument("--only", default="planning,estimators,rows,calibration,bits")
     parser.add_argument("--steps", type=int, default=400, help="training steps per calibration plan")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="planning runs per policy")
@@ -227,6 +291,9 @@ def main(argv=None) -> None:
     if "calibration" in sections:
         write_section("planner-calibration", "## Predicted error against training, char transformer "
                       "(`benchmarks/bench_planner.py`)\n\n" + calibration(args.steps))
+    if "rows" in sections:
+        write_section("planner-rows", "## Top-k over batch rows is biased (`benchmarks/bench_planner.py`)\n\n"
+                      + rows(args.seeds))
     if "bits" in sections:
         write_section("planner-bits", "## Saved-value widths: 4-bit measurement scaled to 2 and 8 bits "
                       "(`benchmarks/bench_planner.py`)\n\n" + bits())

@@ -73,7 +73,7 @@ def run_case(name, make_model, inputs, loss_fn, budget, method, repetitions, con
     torch.manual_seed(0)
     exact = make_model()
     approx = fxapprox.approximate(exact, budget, example_inputs=inputs, method=method,
-                                  config=config or fxapprox.ApproxConfig())
+                                  config=config or fxapprox.ApproxConfig(policy="flops"))
     exact.train(), approx.train()
     steps = {
         "exact": _train_step(exact, torch.optim.SGD(exact.parameters(), lr=1e-3), inputs, loss_fn),
@@ -98,7 +98,7 @@ def cases(quick: bool):
     conv_x = torch.randn(16, 256, 28, 28, requires_grad=True)
     resnet_x = torch.randn(16, 3, 160, 160)
     labels = torch.randint(0, 1000, (16,))
-    single = fxapprox.ApproxConfig(random_share=0.05)
+    single = fxapprox.ApproxConfig(policy="flops", random_share=0.05)
     yield ("Linear(2048, 2048), batch 512", lambda: nn.Linear(2048, 2048), (linear_x,),
            lambda y: y.pow(2).mean(), single)
     yield ("Conv2d(256, 256, 3), 16x256x28x28", lambda: nn.Conv2d(256, 256, 3, padding=1), (conv_x,),

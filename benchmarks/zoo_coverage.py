@@ -109,7 +109,10 @@ def main() -> None:
     kwargs = ", ".join(f"`{n}`: `{k}`" for n, k in MODEL_KWARGS.items())
     notes = [
         f"Each model: `torchvision.models.get_model(name, weights=None, num_classes=10)` (extra kwargs: {kwargs}), "
-        f"`fxapprox.approximate(model, {BUDGET}, example_inputs=(x,))` with a batch of {BATCH} random images, "
+        f"`fxapprox.approximate(model, {BUDGET}, example_inputs=(x,), "
+        "config=ApproxConfig(policy=\"flops\"))` "
+        "(the FLOP-ranked plan samples every eligible layer: the widest test of the rewrite) "
+        f"with a batch of {BATCH} random images, "
         "then `eval()` outputs compared with the original's at `rtol=0, atol=0` (before any training), then one "
         "train step (cross-entropy on random labels) with every parameter's gradient finite. "
         "The same check is `tests/test_torchvision_zoo.py` (`python -m pytest -m slow tests/test_torchvision_zoo.py`).",

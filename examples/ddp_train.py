@@ -49,7 +49,11 @@ def main() -> None:
     (x, y), (x_test, y_test) = digits(rank, world)
     torch.manual_seed(0)   # the same initial model and plan on every rank
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    approx = fxapprox.approximate(model, budget=args.budget, example_inputs=(x[:args.batch],))
+    # The FLOP-ranked plan with top-k: identical on every rank whatever its data, and every eligible layer is
+    # forward-sampled, so the hook has slices to save. (A measured plan depends on the example batch and on
+    # timings: plan it on the same batch everywhere with ApproxConfig(min_speedup=None).)
+    approx = fxapprox.approximate(model, budget=args.budget, example_inputs=(x[:args.batch],), method="topk",
+                                  config=fxapprox.ApproxConfig(policy="flops"))
     ddp = DistributedDataParallel(approx)
     state = None if args.plain else fxapprox.distributed.register_sampled_allreduce(ddp)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)

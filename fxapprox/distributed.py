@@ -119,9 +119,10 @@ class SampledAllReduceState:
 
 
 def plan_fingerprint(approx) -> str:
-    """A SHA-256 of the approximated module's plan, identical on ranks that planned the same."""
-    text = json.dumps(approx.plan.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    """A SHA-256 of the approximated module's decisions (which layer keeps how many of which pairs, how),
+    identical on ranks that planned the same; the measurements behind them (times, errors) are left out."""
+    decisions = [(d.node, d.approximate, d.method, d.mode, d.k, d.n, d.random_share) for d in approx.plan.layers]
+    return hashlib.sha256(json.dumps(decisions).encode()).hexdigest()
 
 
 def _check_plans_agree(approx, group) -> None:
@@ -136,7 +137,9 @@ def _check_plans_agree(approx, group) -> None:
             groups.setdefault(value, []).append(rank)
         described = "; ".join(f"ranks {ranks} share plan {value:015x}" for value, ranks in groups.items())
         raise ValueError("register_sampled_allreduce: the ranks' plans differ, so they would keep different "
-                         f"slices ({described}); plan on the same example_inputs, budget and config everywhere")
+                         f"slices ({described}); plan on the same example_inputs, budget and config everywhere "
+                         "(a measured plan also depends on timings: use ApproxConfig(min_speedup=None) there, or "
+                         "policy=\"flops\")")
 
 
 def _sampled_hook(state: SampledAllReduceState, bucket):

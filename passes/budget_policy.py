@@ -49,6 +49,10 @@ one's relative gradient error, and errors of different layers add in squares:
   ``FORWARD_DISCOUNT · (bias_out² + noise_out²) / N``, the discount ``1/3``. The
   output's noise is not discounted over steps: an unbiased forward (CRS) is a
   different function each step, and its noise compounds through the layers above.
+  A layer with no parameterised node downstream (the head: its output is what
+  the loss reads) gets no discount: no layer above can adapt to its mismatch.
+  Discounted, the char-LSTM's head was planned at forward top-k 0.25 (predicted
+  0.224) and trained to +17.8% validation loss.
 
 This is a first-order model measured at the example batch's weights. The two
 constants (``noise_horizon`` 30, the forward discount 1/3) were fitted to eleven
@@ -155,18 +159,26 @@ def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str,
 FORWARD_DISCOUNT = 1 / 3
 
 
+def output_layers(gm: torch.fx.GraphModule) -> set[str]:
+    """The nodes with no parameterised node downstream (heads): nothing above them adapts to a forward error."""
+    graph = to_networkx(gm)
+    owners = {n.name for n in gm.graph.nodes if parameterised(gm, n)}
+    return {n.name for n in gm.graph.nodes if not (nx.descendants(graph, n.name) & owners)}
+
+
 def predicted_contribution(errors: dict, input_weight: float, owners: int, mode: str = "backward",
-                           bias: dict | None = None, noise: dict | None = None) -> float:
+                           bias: dict | None = None, noise: dict | None = None, *, head: bool = False) -> float:
     """A candidate's share of the squared model-gradient error (see the module docstring).
 
     In forward mode the output's noise counts whole when ``bias`` and ``noise`` are given: a noisy forward
     is a different function each step, and its error compounds through the layers above within the step.
+    ``head``: the node has no parameterised node downstream, so its forward mismatch is not discounted.
     """
     if mode == "forward":
         output = errors.get("output", 0.0) ** 2
         if bias is not None and noise is not None:
             output = bias.get("output", 0.0) ** 2 + noise.get("output", 0.0) ** 2
-        return FORWARD_DISCOUNT * output / owners
+        return (1.0 if head else FORWARD_DISCOUNT) * output / owners
     return (errors.get("weight_grad", 0.0) ** 2 + input_weight * errors.get("input_grad", 0.0) ** 2) / owners
 
 
@@ -178,6 +190,7 @@ def _describe(candidate: dict) -> str:
 
 def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
     weights, owners = propagation_weights(gm)
+    heads = output_layers(gm)
     choices: dict = {}
     usable: dict = {}
     pinned: dict = {}
@@ -190,7 +203,7 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
         for candidate in measured:
             candidate["contribution"] = predicted_contribution(
                 candidate["errors"], weights.get(node.name, 0.0), owners, candidate["mode"], candidate.get("bias"),
-                candidate.get("noise"))
+                candidate.get("noise"), head=node.name in heads)
             candidate["predicted_error"] = math.sqrt(candidate["contribution"])
         fast = [c for c in measured if config.min_speedup is None or
                 (c.get("speedup") is not None and c["speedup"] >= config.min_speedup)]

@@ -31,13 +31,12 @@ uses them to predict how far an error travels.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from fxapprox._projection import projection_loss
 from fxapprox.config import ApproxConfig
@@ -45,6 +44,7 @@ from fxapprox.modules import SamplingSpec
 from fxapprox.op_kinds import handler_for
 from fxapprox.errors import AnalysisError
 from fxapprox.passes._meta import fx_meta
+from fxapprox.passes._upstream import ErrorAccumulator, UpstreamCapture, call_node, flat_tensor, norm
 from fxapprox.passes.candidates import parameterised
 
 __all__ = ["measure_candidates"]
@@ -53,69 +53,6 @@ __all__ = ["measure_candidates"]
 _DETERMINISTIC = ("topk",)
 #: a candidate this many times below ``min_speedup`` in its first timed run is not timed again
 _CLEARLY_SLOWER = 1.25
-
-
-class _Tap(torch.autograd.Function):
-    """Identity whose backward records the gradient flowing into a node's output (or only its norm)."""
-
-    @staticmethod
-    def forward(ctx, x, store, index, keep):
-        ctx.store, ctx.index, ctx.keep = store, index, keep
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.store[ctx.index] = grad.detach().clone() if ctx.keep else float(grad.detach().float().norm())
-        return grad, None, None, None
-
-
-def _norm(value) -> float | None:
-    return float(value.detach().float().norm()) if isinstance(value, torch.Tensor) and value.numel() else None
-
-
-class _UpstreamCapture(torch.fx.Interpreter):
-    """Runs the graph exactly: keeps the inputs of the ``wanted`` nodes and taps their outputs; for the
-    ``observed`` ones (every parameterised node) records the norms of input, output and output gradient."""
-
-    def __init__(self, gm: torch.fx.GraphModule, wanted: set, observed: set) -> None:
-        super().__init__(gm)
-        self.wanted, self.observed = wanted, observed | wanted
-        self.inputs: dict = {}
-        self.grads: dict = {}
-        self.norms: dict = {}
-
-    def run_node(self, n):
-        if n not in self.observed:
-            return super().run_node(n)
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        keep = n in self.wanted
-        if keep:
-            self.inputs[n] = tree_map(_detached_copy, (args, kwargs))
-        activation = next((a for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)),
-                          None)
-        result = super().run_node(n)
-        leaves, spec = tree_flatten(result)
-        self.norms[n] = {"input": _norm(activation), "output": _norm(leaves[0]) if leaves else None}
-        store = self.grads.setdefault(n, {})
-        tapped = [_Tap.apply(leaf, store, i, keep) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
-                  for i, leaf in enumerate(leaves)]
-        return tree_unflatten(tapped, spec)
-
-
-def _detached_copy(value):
-    if isinstance(value, torch.nn.Parameter) or not isinstance(value, torch.Tensor):
-        return value
-    copy = value.detach().clone()
-    copy.requires_grad_(value.requires_grad and (value.is_floating_point() or value.is_complex()))
-    return copy
-
-
-def _call(gm: torch.fx.GraphModule, node: torch.fx.Node, args, kwargs):
-    if node.op == "call_module":
-        return gm.get_submodule(node.target)(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    return node.target(*args, **kwargs)
 
 
 class _Runner:
@@ -174,77 +111,6 @@ class _Runner:
         return seconds, detached, grads[:len(inputs)], grads[len(inputs):]
 
 
-def _flat(tensors) -> list[torch.Tensor] | None:
-    parts = [t.detach().reshape(-1).float() for t in tensors if t is not None]
-    return parts or None
-
-
-def _flat_tensor(tensors) -> torch.Tensor | None:
-    parts = _flat(tensors)
-    return torch.cat(parts) if parts else None
-
-
-def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return float(sum(torch.dot(x, y).double() for x, y in zip(a, b)))
-
-
-class _ErrorAccumulator:
-    """Bias and noise of each changed quantity over runs, relative to the exact one's norm.
-
-    Over ``D`` runs with estimates ``ĝ_d`` of the exact ``g``: the noise is the sample variance
-    ``Σ‖ĝ_d − ḡ‖² / (D − 1)`` and the squared bias ``‖ḡ − g‖² − noise / D`` (the mean's own noise
-    removed). A deterministic method has no noise: its whole error is bias. Sums stay in fp32
-    tensors (dot products accumulate in fp64): the measurement costs a few passes over each
-    quantity, not a copy in double precision.
-    """
-
-    NAMES = ("output", "input_grad", "weight_grad")
-
-    def __init__(self, exact: tuple) -> None:
-        self.exact = {name: _flat(values) for name, values in zip(self.NAMES, exact)}
-        self.sums: dict = {name: None for name in self.NAMES}
-        self.squares = {name: 0.0 for name in self.NAMES}
-        self.runs = 0
-
-    def add(self, result: tuple) -> None:
-        for name, values in zip(self.NAMES, result):
-            reference, estimate = self.exact[name], _flat(values)
-            if reference is None:
-                continue
-            if estimate is None or len(estimate) != len(reference):
-                estimate = [torch.zeros_like(r) for r in reference]
-            if self.sums[name] is None:
-                self.sums[name] = [e.clone() for e in estimate]
-            else:
-                for total, part in zip(self.sums[name], estimate):
-                    total.add_(part)
-            self.squares[name] += _dot(estimate, estimate)
-        self.runs += 1
-
-    def errors(self, horizon: float) -> tuple[dict, dict, dict]:
-        """``(effective, bias, noise)``: relative; effective² = bias² + noise² / horizon."""
-        effective, bias, noise = {}, {}, {}
-        for name, reference in self.exact.items():
-            if reference is None or self.sums[name] is None:
-                effective[name] = bias[name] = noise[name] = 0.0
-                continue
-            runs = self.runs
-            mean = [total / runs for total in self.sums[name]]
-            spread = max(self.squares[name] - runs * _dot(mean, mean), 0.0)
-            variance = spread / (runs - 1) if runs > 1 else 0.0
-            difference = [m - r for m, r in zip(mean, reference)]
-            squared_bias = max(_dot(difference, difference) - variance / runs, 0.0)
-            norm_sq = _dot(reference, reference)
-            if norm_sq == 0.0:
-                zero = squared_bias == 0.0 and variance == 0.0
-                effective[name] = bias[name] = noise[name] = 0.0 if zero else math.inf
-                continue
-            bias[name] = math.sqrt(squared_bias / norm_sq)
-            noise[name] = math.sqrt(variance / norm_sq)
-            effective[name] = math.sqrt((squared_bias + variance / horizon) / norm_sq)
-        return effective, bias, noise
-
-
 def _timing_key(gm, node, args, kwargs) -> tuple:
     def describe(value):
         if isinstance(value, torch.Tensor):
@@ -270,11 +136,11 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
         fns.append(handler.approximate_call(gm, node, spec, granularity))
 
     def exact_fn(*args, **kwargs):
-        return _call(gm, node, args, kwargs)
+        return call_node(gm, node, args, kwargs)
 
     first = runner.run(exact_fn)
-    meta.setdefault("norms", {})["input_grad"] = _norm(_flat_tensor(first[2]))
-    accumulators = [_ErrorAccumulator(first[1:]) for _ in candidates]
+    meta.setdefault("norms", {})["input_grad"] = norm(flat_tensor(first[2]))
+    accumulators = [ErrorAccumulator(first[1:]) for _ in candidates]
     exact_times: list[float] = []
     times: list[list[float]] = [[] for _ in candidates]
     rounds = 1 + config.measure_repeats if timed and shared is None else 0
@@ -339,7 +205,7 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
     if not wanted:
         return gm
     torch.manual_seed(0)   # the draws, and so the plan, are the same on every run of the same model and batch
-    capture = _UpstreamCapture(gm, wanted, {n for n in gm.graph.nodes if parameterised(gm, n)})
+    capture = UpstreamCapture(gm, wanted, {n for n in gm.graph.nodes if parameterised(gm, n)})
     try:
         output = capture.run(*example_inputs)
         loss = projection_loss(output)
@@ -355,7 +221,7 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
         grads = capture.grads.get(node, {})
         grad = grads.get(0)
         fx_meta(node)["norms"] = {"input": norms["input"], "output": norms["output"],
-                                  "output_grad": grad if isinstance(grad, float) or grad is None else _norm(grad)}
+                                  "output_grad": grad if isinstance(grad, float) or grad is None else norm(grad)}
     granularity = config.lstm_granularity
     timings: dict = {}
     nodes = [n for n in gm.graph.nodes if n in wanted]

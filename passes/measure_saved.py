@@ -31,7 +31,7 @@ from fxapprox.ops.quantize import FLOAT_DTYPES, quantize
 from fxapprox.passes._meta import fx_meta
 from fxapprox.passes.budget_policy import predicted_contribution, propagation_weights
 from fxapprox.passes.candidates import parameterised
-from fxapprox.passes.measure_candidates import _call, _ErrorAccumulator, _norm, _UpstreamCapture
+from fxapprox.passes._upstream import ErrorAccumulator, UpstreamCapture, call_node, norm
 from fxapprox.saved_activations import storage_ptr
 
 __all__ = ["MEASURED_BITS", "SAVED_BITS", "measure_saved_values", "step_ratio"]
@@ -92,7 +92,7 @@ class _SaverRunner:
             return copy.dequantize().view(tensor.shape)
 
         with saved_tensors_hooks(lambda t: t, unpack):
-            result = _call(self.gm, self.node, args, kwargs)
+            result = call_node(self.gm, self.node, args, kwargs)
         leaves = tree_flatten(result)[0]
         if self.node.name in members:
             outputs_storage.update(storage_ptr(t) for t in leaves if isinstance(t, torch.Tensor))
@@ -122,7 +122,7 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
     by_name = {n.name: n for n in gm.graph.nodes}
     savers = {by_name[s] for _, saver_names, _ in values.values() for s in saver_names if s in by_name}
     torch.manual_seed(0)
-    capture = _UpstreamCapture(gm, savers, {n for n in gm.graph.nodes if parameterised(gm, n)})
+    capture = UpstreamCapture(gm, savers, {n for n in gm.graph.nodes if parameterised(gm, n)})
     from fxapprox._projection import projection_loss
 
     loss = projection_loss(capture.run(*example_inputs))
@@ -133,11 +133,11 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
         grad = capture.grads.get(node, {}).get(0)
         meta_norms = fx_meta(node).setdefault("norms", {})
         meta_norms.update(input=norms["input"], output=norms["output"],
-                          output_grad=grad if isinstance(grad, float) or grad is None else _norm(grad))
+                          output_grad=grad if isinstance(grad, float) or grad is None else norm(grad))
     runners = {node: _SaverRunner(gm, node, capture.inputs[node], capture.grads.get(node, {})) for node in savers}
     exact = {node: runner.run(set(), None, config, False) for node, runner in runners.items()}
     for node, (_, input_grads, _) in exact.items():
-        fx_meta(node).setdefault("norms", {})["input_grad"] = _norm(
+        fx_meta(node).setdefault("norms", {})["input_grad"] = norm(
             torch.cat([g.reshape(-1).float() for g in input_grads if g is not None])
             if any(g is not None for g in input_grads) else None)
     weights, owners = propagation_weights(gm, savers)
@@ -151,7 +151,7 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
                 node = by_name.get(saver_name)
                 if node not in runners:
                     continue
-                accumulator = _ErrorAccumulator(exact[node])
+                accumulator = ErrorAccumulator(exact[node])
                 for _ in range(min(config.error_draws, 2)):
                     accumulator.add(runners[node].run(set(members), MEASURED_BITS, config, sign_exact))
                 errors, bias, noise = accumulator.errors(config.noise_horizon)

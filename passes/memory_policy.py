@@ -20,7 +20,9 @@ ops (``relu_``) alias it — so a tensor is never kept both exact and compressed
    the compute policy, per byte saved). With ``"width"`` the policy lowers the
    value with the most bits left (largest first) by one step, exact → 8 → 4 → 2,
    until the total fits: even widths, blind to what each value's error costs.
-4. If every value at 2 bits still does not fit, the plan says what it reached.
+   Either way the inputs attention saves (q, k, v of ``scaled_dot_product_attention``)
+   keep at least 8 bits: its backward exponentiates their product (``_EXPONENTIATING_SAVERS``).
+4. If every value at its lowest width still does not fit, the plan says what it reached.
 
 ``ApproxConfig(activation_bits=b)`` instead stores every eligible value at ``b``
 bits (the budget is then only reported against), like the compute policy's
@@ -42,6 +44,12 @@ from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta
 
 _STEPS = (8, 4, 2)
+#: savers whose backward exponentiates a product of their saved inputs, with the fewest bits those inputs keep.
+#: Attention recomputes ``softmax(q·kᵀ)`` from the saved q and k against the exact log-sum-exp: a quantisation
+#: error in the scores is amplified by ``exp`` as attention sharpens in training, which the example batch (at
+#: initialisation, near-uniform attention) does not show. At 4 bits the char transformer's loss rose from step
+#: 200 and ended in NaN; with these inputs at 8 bits it tracked exact (README, "Saved activations").
+_EXPONENTIATING_SAVERS = {torch.nn.functional.scaled_dot_product_attention: 8}
 _RELU_FUNCTIONS = {torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_}
 
 
@@ -72,6 +80,8 @@ class _Value:
         self.derived = 0         # bytes of copies sampled ops make of it and save
         self.savers: set[str] = set()
         self.sign_only = True
+        self.min_bits = 0        # a floor on its width (see _EXPONENTIATING_SAVERS), with the saver behind it
+        self.floor_saver: str | None = None
         tensor_meta = root.meta.get("tensor_meta")
         self.dtype = getattr(tensor_meta, "dtype", None)
         self.shape = list(tensor_meta.shape) if hasattr(tensor_meta, "shape") else None
@@ -112,6 +122,8 @@ def _values(gm: torch.fx.GraphModule) -> tuple[dict[str, _Value], int, int]:
             value.savers.add(node.name)
             if not (is_relu(gm, node) and root_of[node.name] == value.root.name):
                 value.sign_only = False
+            if node.target in _EXPONENTIATING_SAVERS and root_of[node.name] != value.root.name:
+                value.min_bits, value.floor_saver = _EXPONENTIATING_SAVERS[node.target], node.name
         for source, size in meta.get("saved_derived", {}).items():
             value = values[root_of[source]]
             value.derived += size
@@ -120,6 +132,13 @@ def _values(gm: torch.fx.GraphModule) -> tuple[dict[str, _Value], int, int]:
         internal += meta.get("saved_internal_bytes", 0)
         internal_bool += meta.get("saved_internal_bool_bytes", 0)
     return {name: v for name, v in values.items() if v.exact_bytes}, internal, internal_bool
+
+
+def _floor_note(value: _Value, bits: int) -> str:
+    if not value.min_bits or bits > value.min_bits:
+        return ""
+    return (f"; no fewer than {value.min_bits} bits: {value.floor_saver} exponentiates a product of its saved "
+            f"inputs in backward")
 
 
 def _sign_exact(gm: torch.fx.GraphModule, value: _Value) -> bool:
@@ -195,26 +214,26 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
             value, measured_bits = values[name], fx_meta(values[name].root)["bit_errors"]
             options[name] = [{"bits": b, "saving": value.exact_bytes - value.bytes_at(b, group),
                               "contribution": measured_bits[b]["contribution"]}
-                             for b in _STEPS if b < bits[name]]
+                             for b in _STEPS if b < bits[name] and b >= value.min_bits]
         needed = max(0.0, planned_total() - memory_budget * exact_total)
         chosen, _, _, _ = least_error_allocation(candidates, options, needed, None)
         for name, option in chosen.items():
             bits[name] = option["bits"]
             errors[name] = option["contribution"]
             reasons[name] = (f"{option['bits']}-bit copy: least gradient error per byte saved (predicted "
-                             f"{math.sqrt(option['contribution']):.3f})")
+                             f"{math.sqrt(option['contribution']):.3f})" + _floor_note(values[name], option["bits"]))
     else:
         target = memory_budget * exact_total
         total = planned_total()
         while total > target:
-            lowerable = [n for n in candidates if bits[n] > _STEPS[-1]]
+            lowerable = [n for n in candidates if bits[n] > max(_STEPS[-1], values[n].min_bits)]
             if not lowerable:
                 break
             name = max(lowerable, key=lambda n: (bits[n], values[n].bytes_at(bits[n], group)))
             before = values[name].bytes_at(bits[name], group)
             bits[name] = next(step for step in _STEPS if step < bits[name])
             total -= before - values[name].bytes_at(bits[name], group)
-            reasons[name] = f"{bits[name]}-bit copy (memory budget)"
+            reasons[name] = f"{bits[name]}-bit copy (memory budget)" + _floor_note(values[name], bits[name])
     planned = planned_total()
     if memory_budget is None:
         met, budget_text = True, f"activation_bits={uniform_bits}"
@@ -224,7 +243,7 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     why_not = ""
     if not met:
         kept = [v.exact_bytes for n, v in values.items() if bits[n] >= _dtype_bits(v.dtype) and n not in candidates]
-        why_not = (f", NOT met: every eligible value is at 2 bits; {len(kept)} values ({_mib(sum(kept))}) "
+        why_not = (f", NOT met: every eligible value is at its lowest width; {len(kept)} values ({_mib(sum(kept))}) "
                    f"and {_mib(planned_internal)} of temporaries stay as they are")
     predicted = math.sqrt(sum(errors.values())) if measured else None
     error_text = "" if predicted is None else f"; predicted model-gradient error {predicted:.3f}"

@@ -123,6 +123,21 @@ def test_narrow_outputs_block_input_gradient_sampling():
     assert all(c["blocked"] is None for c in head if c["mode"] == "weight_grad")
 
 
+def test_head_forward_error_is_not_discounted():
+    from fxapprox.passes.budget_policy import FORWARD_DISCOUNT, output_layers
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    approx = fxapprox.approximate(MLP(), 0.6, example_inputs=(x,), config=ApproxConfig(**MEASURED))
+    assert {"head"} <= output_layers(approx) and not {"fc1", "fc2"} & output_layers(approx)
+    owners = 3
+    for name, scale in (("head", 1.0), ("fc2", FORWARD_DISCOUNT)):
+        forward = [c for c in approx.plan.decision(name).candidates if c["mode"] == "forward" and "bias" in c]
+        assert forward
+        for c in forward:
+            output = c["bias"]["output"] ** 2 + c["noise"]["output"] ** 2
+            assert c["predicted_error"] == pytest.approx(math.sqrt(scale * output / owners)), name
+
+
 def test_timing_gates_candidates_and_is_recorded():
     torch.manual_seed(0)
     x = torch.randn(64, 64)

@@ -163,3 +163,62 @@ def test_functional_max_pool_with_positional_kernel_is_compacted():
     assert compact_max_pool2d in targets
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     torch.testing.assert_close(gm(x), FunctionalPool()(x))
+
+
+class TwoInputs(nn.Module):
+    """Two equally wide saved values: the input of ``a`` is Gaussian, that of ``b`` mostly one constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 64), nn.Linear(256, 64)
+
+    def forward(self, x, y):
+        return self.a(torch.tanh(x)) + self.b(torch.tanh(y))
+
+
+def test_measured_widths_follow_each_value_s_gradient_cost():
+    torch.manual_seed(0)
+    x = torch.randn(256, 256)
+    y = torch.where(torch.rand(256, 256) < 0.97, torch.full((256, 256), 0.5), torch.randn(256, 256))
+    measured = fxapprox.approximate(TwoInputs(), 1.0, memory_budget=0.1, example_inputs=(x, y),
+                                    config=_config(activation_min_bytes=1024)).plan.memory
+    assert measured.predicted_error is not None and measured.budget_met
+    values = {v.node: v for v in measured.values if v.compressed}
+    costs = {name: v.predicted_error for name, v in values.items()}
+    assert all(c is not None and c >= 0 for c in costs.values())
+    # the cheaper value per byte goes lower: widths ordered like the measured costs at equal width
+    bits = {name: v.bits for name, v in values.items()}
+    assert len(set(bits.values())) > 1, bits
+    cheap, dear = sorted(bits, key=bits.get)[0], sorted(bits, key=bits.get)[-1]
+    assert "least gradient error per byte" in values[cheap].reason
+    width = fxapprox.approximate(TwoInputs(), 1.0, memory_budget=0.1, example_inputs=(x, y),
+                                 config=_config(activation_min_bytes=1024, activation_policy="width")).plan.memory
+    assert width.predicted_error is None and all(v.predicted_error is None for v in width.values)
+    meta = {n.name: n.meta.get("fxapprox", {}).get("bit_errors") for n in
+            fxapprox.approximate(TwoInputs(), 1.0, memory_budget=0.1, example_inputs=(x, y),
+                                 config=_config(activation_min_bytes=1024)).graph.nodes}
+    assert meta[cheap][2]["contribution"] < meta[dear][2]["contribution"]
+    assert meta[cheap][8]["contribution"] < meta[cheap][4]["contribution"] < meta[cheap][2]["contribution"]
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("policy", ["measured", "width"])
+def test_attention_inputs_keep_eight_bits(policy):
+    torch.manual_seed(0)
+    approx = fxapprox.approximate(Attention(), 1.0, memory_budget=0.15, example_inputs=(torch.randn(4, 32, 64),),
+                                  config=_config(activation_policy=policy))
+    values = approx.plan.memory.values
+    attention_inputs = [v for v in values if any(s.startswith("scaled_dot_product_attention") for s in v.savers)
+                        and not v.node.startswith("scaled_dot_product_attention")]
+    assert attention_inputs and all(v.bits == 8 and "no fewer than 8 bits" in v.reason for v in attention_inputs)
+    assert any(v.bits < 8 for v in values if v.compressed and v not in attention_inputs)
