@@ -22,7 +22,9 @@ def _model_inputs(batch) -> tuple:
     if isinstance(batch, (tuple, list)) and batch:
         first = batch[0]
         return tuple(first) if isinstance(first, (tuple, list)) else (first,)
-    raise TypeError(f"recalibrate_bn: each batch must be a tensor or an (inputs, ...) tuple, got {type(batch).__name__}")
+    raise TypeError(
+        f"recalibrate_bn: each batch must be a tensor or an (inputs, ...) tuple, got {type(batch).__name__}"
+    )
 
 
 def recalibrate_bn(model: nn.Module, batches: Iterable, *, max_batches: int | None = None) -> int:
