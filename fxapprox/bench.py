@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -94,7 +95,8 @@ class BenchResult:
         summary.add_row("train step", f"{self.exact_step_s * 1e3:.2f} ms", f"{self.approx_step_s * 1e3:.2f} ms",
                         f"{self.speedup:.2f}× faster")
         summary.add_row("saved-activation memory", f"{self.exact_mem_mib:.2f} MiB", f"{self.approx_mem_mib:.2f} MiB",
-                        f"{self.memory_ratio:.2f}× less")
+                        f"{self.memory_ratio:.2f}× less" if self.memory_ratio >= 1 else
+                        f"{1 / self.memory_ratio:.2f}× more")
         summary.add_row("FLOPs executed", f"{self.flops_exact:,}", f"{self.flops_executed:,}",
                         f"{self.flops_executed / self.flops_exact:.3f}" if self.flops_exact else "-")
         summary.add_row("FLOPs planned", "", f"{self.flops_planned:,}", "")
@@ -259,4 +261,12 @@ def bench(model: nn.Module, example_inputs, *, budget: float = 0.5, memory_budge
         memory_ratio=exact_mib / approx_mib if approx_mib else float("inf"),
         flops_exact=flops_exact, flops_planned=int(approx.plan.total_planned_flops), flops_executed=flops_executed,
         budget=budget, memory_budget=memory_budget, steps=steps, layers=layers, grad_error=grad_error,
-        predicted_grad_error=approx.plan.predicted_error)
+        predicted_grad_error=_predicted_error(approx.plan))
+
+
+def _predicted_error(plan) -> float | None:
+    """The plan's predicted model-gradient error, sampled layers and compressed activations together (errors of
+    different approximations add in squares, as in the policies)."""
+    parts = [plan.predicted_error, plan.memory.predicted_error if plan.memory is not None else None]
+    parts = [p for p in parts if p is not None]
+    return math.sqrt(sum(p * p for p in parts)) if parts else None

@@ -3,6 +3,7 @@
 * :class:`UpstreamCapture` runs the model exactly once, keeps the inputs of the nodes to measure
   and taps their outputs, so that one backward of the projection loss hands every one of them its
   real upstream gradient; it also records the norms the policies' propagation weights need.
+  :func:`capture_upstream` does that run and writes the norms into ``node.meta``.
 * :class:`ErrorAccumulator` turns several runs of an approximate node into the relative bias and
   noise of each quantity it changes.
 """
@@ -15,7 +16,10 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["ErrorAccumulator", "UpstreamCapture", "call_node", "flat_tensor", "norm"]
+from fxapprox._projection import projection_loss
+from fxapprox.passes._meta import fx_meta
+
+__all__ = ["ErrorAccumulator", "UpstreamCapture", "call_node", "capture_upstream", "norm", "total_norm"]
 
 
 class _Tap(torch.autograd.Function):
@@ -34,6 +38,13 @@ class _Tap(torch.autograd.Function):
 
 def norm(value) -> float | None:
     return float(value.detach().float().norm()) if isinstance(value, torch.Tensor) and value.numel() else None
+
+
+def total_norm(tensors) -> float | None:
+    """The norm of the tensors taken together (``None`` when there are none), without concatenating them."""
+    parts = [norm(t) for t in tensors if t is not None]
+    parts = [p for p in parts if p is not None]
+    return math.sqrt(sum(p * p for p in parts)) if parts else None
 
 
 class UpstreamCapture(torch.fx.Interpreter):
@@ -81,14 +92,26 @@ def call_node(gm: torch.fx.GraphModule, node: torch.fx.Node, args, kwargs):
     return node.target(*args, **kwargs)
 
 
+def capture_upstream(gm: torch.fx.GraphModule, wanted: set, observed: set, example_inputs) -> UpstreamCapture:
+    """Run ``gm`` once exactly and backward the projection loss (nothing is written into ``.grad``); record
+    every observed node's input, output and output-gradient norms in ``node.meta["fxapprox"]["norms"]``."""
+    capture = UpstreamCapture(gm, wanted, observed)
+    loss = projection_loss(capture.run(*example_inputs))
+    parameters = [p for p in gm.parameters() if p.requires_grad]
+    if loss.requires_grad and parameters:
+        # Every tap lies between its layer's own weights and the loss, so each one's backward runs.
+        torch.autograd.grad(loss, parameters, allow_unused=True)
+    for node, norms in capture.norms.items():
+        grad = capture.grads.get(node, {}).get(0)
+        fx_meta(node).setdefault("norms", {}).update(
+            input=norms["input"], output=norms["output"],
+            output_grad=grad if isinstance(grad, float) or grad is None else norm(grad))
+    return capture
+
+
 def _flat(tensors) -> list[torch.Tensor] | None:
     parts = [t.detach().reshape(-1).float() for t in tensors if t is not None]
     return parts or None
-
-
-def flat_tensor(tensors) -> torch.Tensor | None:
-    parts = _flat(tensors)
-    return torch.cat(parts) if parts else None
 
 
 def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -161,9 +161,12 @@ FORWARD_DISCOUNT = 1 / 3
 
 def output_layers(gm: torch.fx.GraphModule) -> set[str]:
     """The nodes with no parameterised node downstream (heads): nothing above them adapts to a forward error."""
-    graph = to_networkx(gm)
-    owners = {n.name for n in gm.graph.nodes if parameterised(gm, n)}
-    return {n.name for n in gm.graph.nodes if not (nx.descendants(graph, n.name) & owners)}
+    # One reverse walk (users come after their inputs in an fx graph), not a descendants search per node.
+    feeds_owner: set = set()
+    for node in reversed(gm.graph.nodes):
+        if any(user in feeds_owner or parameterised(gm, user) for user in node.users):
+            feeds_owner.add(node)
+    return {n.name for n in gm.graph.nodes if n not in feeds_owner}
 
 
 def predicted_contribution(errors: dict, input_weight: float, owners: int, mode: str = "backward",

@@ -38,13 +38,12 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from fxapprox._projection import projection_loss
 from fxapprox.config import ApproxConfig
 from fxapprox.modules import SamplingSpec
 from fxapprox.op_kinds import handler_for
 from fxapprox.errors import AnalysisError
 from fxapprox.passes._meta import fx_meta
-from fxapprox.passes._upstream import ErrorAccumulator, UpstreamCapture, call_node, flat_tensor, norm
+from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
 from fxapprox.passes.candidates import parameterised
 
 __all__ = ["measure_candidates"]
@@ -139,7 +138,7 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
         return call_node(gm, node, args, kwargs)
 
     first = runner.run(exact_fn)
-    meta.setdefault("norms", {})["input_grad"] = norm(flat_tensor(first[2]))
+    meta.setdefault("norms", {})["input_grad"] = total_norm(first[2])
     accumulators = [ErrorAccumulator(first[1:]) for _ in candidates]
     exact_times: list[float] = []
     times: list[list[float]] = [[] for _ in candidates]
@@ -205,23 +204,11 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
     if not wanted:
         return gm
     torch.manual_seed(0)   # the draws, and so the plan, are the same on every run of the same model and batch
-    capture = UpstreamCapture(gm, wanted, {n for n in gm.graph.nodes if parameterised(gm, n)})
     try:
-        output = capture.run(*example_inputs)
-        loss = projection_loss(output)
-        parameters = [p for p in gm.parameters() if p.requires_grad]
-        if loss.requires_grad and parameters:
-            # Gradients for the parameters, not .backward(): nothing is written into .grad. Every tap lies
-            # between its layer's own weights and the loss, so each one's backward runs.
-            torch.autograd.grad(loss, parameters, allow_unused=True)
+        capture = capture_upstream(gm, wanted, {n for n in gm.graph.nodes if parameterised(gm, n)}, example_inputs)
     except Exception as error:
         raise AnalysisError(f"measuring candidates: the model failed on the example inputs: "
                             f"{type(error).__name__}: {error}") from error
-    for node, norms in capture.norms.items():
-        grads = capture.grads.get(node, {})
-        grad = grads.get(0)
-        fx_meta(node)["norms"] = {"input": norms["input"], "output": norms["output"],
-                                  "output_grad": grad if isinstance(grad, float) or grad is None else norm(grad)}
     granularity = config.lstm_granularity
     timings: dict = {}
     nodes = [n for n in gm.graph.nodes if n in wanted]

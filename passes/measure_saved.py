@@ -31,7 +31,7 @@ from fxapprox.ops.quantize import FLOAT_DTYPES, quantize
 from fxapprox.passes._meta import fx_meta
 from fxapprox.passes.budget_policy import predicted_contribution, propagation_weights
 from fxapprox.passes.candidates import parameterised
-from fxapprox.passes._upstream import ErrorAccumulator, UpstreamCapture, call_node, norm
+from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
 from fxapprox.saved_activations import storage_ptr
 
 __all__ = ["MEASURED_BITS", "SAVED_BITS", "measure_saved_values", "step_ratio"]
@@ -122,24 +122,11 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
     by_name = {n.name: n for n in gm.graph.nodes}
     savers = {by_name[s] for _, saver_names, _ in values.values() for s in saver_names if s in by_name}
     torch.manual_seed(0)
-    capture = UpstreamCapture(gm, savers, {n for n in gm.graph.nodes if parameterised(gm, n)})
-    from fxapprox._projection import projection_loss
-
-    loss = projection_loss(capture.run(*example_inputs))
-    parameters = [p for p in gm.parameters() if p.requires_grad]
-    if loss.requires_grad and parameters:
-        torch.autograd.grad(loss, parameters, allow_unused=True)
-    for node, norms in capture.norms.items():
-        grad = capture.grads.get(node, {}).get(0)
-        meta_norms = fx_meta(node).setdefault("norms", {})
-        meta_norms.update(input=norms["input"], output=norms["output"],
-                          output_grad=grad if isinstance(grad, float) or grad is None else norm(grad))
+    capture = capture_upstream(gm, savers, {n for n in gm.graph.nodes if parameterised(gm, n)}, example_inputs)
     runners = {node: _SaverRunner(gm, node, capture.inputs[node], capture.grads.get(node, {})) for node in savers}
     exact = {node: runner.run(set(), None, config, False) for node, runner in runners.items()}
     for node, (_, input_grads, _) in exact.items():
-        fx_meta(node).setdefault("norms", {})["input_grad"] = norm(
-            torch.cat([g.reshape(-1).float() for g in input_grads if g is not None])
-            if any(g is not None for g in input_grads) else None)
+        fx_meta(node).setdefault("norms", {})["input_grad"] = total_norm(input_grads)
     weights, owners = propagation_weights(gm, savers)
     from rich.progress import Progress
 

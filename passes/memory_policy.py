@@ -48,7 +48,8 @@ _STEPS = (8, 4, 2)
 #: Attention recomputes ``softmax(q·kᵀ)`` from the saved q and k against the exact log-sum-exp: a quantisation
 #: error in the scores is amplified by ``exp`` as attention sharpens in training, which the example batch (at
 #: initialisation, near-uniform attention) does not show. At 4 bits the char transformer's loss rose from step
-#: 200 and ended in NaN; with these inputs at 8 bits it tracked exact (README, "Saved activations").
+#: 200 and ended in NaN (an uncommitted experiment); with these inputs at 8 bits it trains without NaN
+#: (README, "Convergence on real data").
 _EXPONENTIATING_SAVERS = {torch.nn.functional.scaled_dot_product_attention: 8}
 _RELU_FUNCTIONS = {torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_}
 

@@ -66,6 +66,9 @@ def test_memory_budget_compresses_saved_activations():
     result = fxapprox.bench(model, big, budget=1.0, memory_budget=0.25, steps=1, warmup=0, progress=False)
     assert result.memory_ratio > 2.5
     assert result.exact_mem_mib > result.approx_mem_mib > 0
+    # the compressed copies' predicted error is part of the prediction, not only the sampled layers'
+    assert result.predicted_grad_error is not None and result.predicted_grad_error > 0
+    assert result.grad_error > 0
 
 
 def test_model_is_not_modified(inputs):
