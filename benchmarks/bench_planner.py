@@ -18,9 +18,15 @@ Sections (each printed as a table and written to BENCHMARKS.md):
   batch's score mass, and WTA-CRS over the rows (why ``method="auto"`` uses WTA-CRS for the backward modes);
 * ``bits`` — the memory policy measures each saved value at 4 bits and scales to 2 and 8 bits by the
   quantisation step; on a 2-block char transformer it also measures 2 and 8 bits directly and prints
-  measured / extrapolated.
+  measured / extrapolated;
+* ``attention`` — why attention rebuilds its weights from its saved inputs (``fxapprox/ops/attention.py``)
+  and why the memory plan should be made on trained weights too: the char transformer trained exactly for
+  ``--attention-steps`` steps; at initialisation and after, each saved value's measured 4-bit cost, and the
+  model-gradient error (cross-entropy, 3 draws) of the ``memory_budget=0.125`` plan made at initialisation,
+  with attention's own backward (the exact forward's log-sum-exp) and with the rebuilt one, rebuilding the
+  cheap ops only (``activation_recompute=True``) and by default (``"auto"``: the first Linear too).
 
-Usage: python benchmarks/bench_planner.py [--only planning,estimators,bits] [--threads 2]
+Usage: python benchmarks/bench_planner.py [--only planning,estimators,bits,attention] [--threads 2]
 """
 
 from __future__ import annotations
@@ -273,9 +279,97 @@ def bits() -> str:
     return f"{machine_line()}; 2-block char transformer (d=256), batch 16×128.\n\n" + markdown_table(headers, rows)
 
 
+def _gradient_error(model, batch, draws: int = 3) -> float:
+    """Median relative error of the whole parameter gradient of the cross-entropy, approximated vs exact."""
+    x, y = batch
+    errors = []
+    for seed in range(draws):
+        grads = []
+        for approximate in (True, False):
+            torch.manual_seed(seed)
+            model.set_approximate(approximate)
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.set_approximate(True)
+        got, exact = grads
+        errors.append((sum(float((got[n] - exact[n]).square().sum()) for n in exact)
+                       / sum(float(exact[n].square().sum()) for n in exact)) ** 0.5)
+    return statistics.median(errors)
+
+
+def attention(steps: int) -> str:
+    import contextlib
+    import copy
+    import math
+    from types import SimpleNamespace
+
+    import fxapprox.api as api
+    from _text import encode, load_corpus, windows
+    from char_transformer import CharTransformer, train
+
+    data, vocab = encode(load_corpus(2_000_000))
+    split = int(0.9 * len(data))
+    train_data, val_data = data[:split], data[split:]
+    val_stream = windows(val_data, 128, 32, torch.Generator().manual_seed(2))
+    val_batches = [next(val_stream) for _ in range(2)]
+    torch.manual_seed(0)
+    initial = CharTransformer(len(vocab))
+    batch = next(windows(train_data, 128, 16, torch.Generator().manual_seed(3)))
+    trained = copy.deepcopy(initial)
+    args = SimpleNamespace(seq=128, batch=16, lr=2e-3, warmup=50, steps=steps, eval_every=steps)
+    train(trained, args, train_data, val_batches, "exact")
+
+    @contextlib.contextmanager
+    def kernel_backward():   # attention kept as F.scaled_dot_product_attention (its own backward)
+        original = api.recompute_attention
+        api.recompute_attention = lambda gm: gm
+        try:
+            yield
+        finally:
+            api.recompute_attention = original
+
+    def plan(model, recompute):
+        approx = fxapprox.approximate(copy.deepcopy(model), 1.0, memory_budget=0.125, example_inputs=(batch[0],),
+                                      config=ApproxConfig(activation_recompute=recompute))
+        costs = {n.name: math.sqrt(n.meta["fxapprox"]["bit_errors"][4]["contribution"]) for n in approx.graph.nodes
+                 if "bit_errors" in n.meta.get("fxapprox", {})}
+        return approx, costs
+
+    rows = []
+    for label, context, recompute in (
+            ("kernel's backward (exact log-sum-exp)", kernel_backward, True),
+            ("rebuilt from saved inputs", contextlib.nullcontext, True),
+            ("rebuilt from saved inputs", contextlib.nullcontext, "auto")):
+        with context():
+            approx, at_init = plan(initial, recompute)
+            _, at_step = plan(trained, recompute)
+            error_init = _gradient_error(approx, batch)
+            approx.load_state_dict(trained.state_dict())
+            error_step = _gradient_error(approx, batch)
+        attention_values = [v.node for v in approx.plan.memory.values if v.node in at_init and any(
+            s.startswith("scaled_dot_product_attention") for s in v.savers) and not v.node.startswith("scaled")]
+        others = [n for n in at_init if n not in attention_values]
+        rebuilt = "LayerNorm, GELU" if recompute is True else "LayerNorm, GELU, first Linear (auto)"
+        bits = sorted({v.bits for v in approx.plan.memory.values if v.compressed})
+        rows.append([label, rebuilt, "/".join(map(str, bits)), f"{max(at_init[n] for n in attention_values):.4f}",
+                     f"{max(at_step[n] for n in attention_values):.4f}",
+                     f"{max(at_step[n] for n in others):.4f}", f"{error_init:.4f}", f"{error_step:.4f}"])
+    headers = ["attention backward", "rebuilt in backward", "widths", "q/k/v 4-bit cost, init (max)",
+               f"q/k/v 4-bit cost, step {steps} (max)",
+               f"other values, step {steps} (max)", "gradient error of the init plan, init",
+               f"same plan, step {steps}"]
+    print_table("attention inputs after training", headers, rows)
+    return (f"{machine_line()}; char transformer (4 blocks, d=256, 4 heads), batch 16×128, trained exactly "
+            f"{steps} steps. Costs: square root of a value's measured contribution to the squared model-gradient "
+            "error at 4 bits; gradient error: relative, whole cross-entropy gradient, median of 3 draws.\n\n"
+            + markdown_table(headers, rows) + "\n")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="planning,estimators,rows,calibration,bits")
+    parser.add_argument("--only", default="planning,estimators,rows,calibration,bits,attention")
+    parser.add_argument("--attention-steps", type=int, default=1000, help="exact training steps before measuring")
     parser.add_argument("--steps", type=int, default=400, help="training steps per calibration plan")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="planning runs per policy")
@@ -297,6 +391,9 @@ def main(argv=None) -> None:
     if "bits" in sections:
         write_section("planner-bits", "## Saved-value widths: 4-bit measurement scaled to 2 and 8 bits "
                       "(`benchmarks/bench_planner.py`)\n\n" + bits())
+    if "attention" in sections:
+        write_section("planner-attention", "## Attention's saved inputs after training (`benchmarks/bench_planner.py`)"
+                      "\n\n" + attention(args.attention_steps))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,13 @@ It prints each plan's note, the validation loss (exact evaluation) at equal step
 and at equal wall-clock (the exact curve interpolated at the approximated run's
 training time), and with matplotlib writes validation loss against wall-clock.
 
-Usage: python examples/char_transformer.py [--steps 1000] [--plot docs/char_transformer.png] [--json out.json]
+With ``--seeds N`` every configuration trains on N batch orders (seeds 1..N) and the curves and
+losses are their means: one run's final loss moves by several percent with nothing but the order of
+float sums changed (exact, 1000 steps: 1.7967 with 2 threads, 1.7067 with 1), so single runs cannot
+resolve differences of a few percent.
+
+Usage: python examples/char_transformer.py [--steps 1000] [--seeds 3] [--schedule cosine]
+       [--plot docs/char_transformer.png] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import statistics
 import time
 
 import torch
@@ -79,11 +87,22 @@ def evaluate(model: nn.Module, batches) -> float:
     return sum(losses) / len(losses)
 
 
-def train(model: nn.Module, args, data: torch.Tensor, val_batches, label: str) -> list[tuple[float, int, float]]:
+def learning_rate_factor(step: int, args) -> float:
+    """Linear warm-up, then constant (``--schedule constant``) or a cosine decay to a tenth at the last step."""
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    if getattr(args, "schedule", "constant") == "constant":
+        return 1.0
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def train(model: nn.Module, args, data: torch.Tensor, val_batches, label: str,
+          data_seed: int = 1) -> list[tuple[float, int, float]]:
     """``[(training seconds, step, validation loss), ...]``; evaluation time is not counted."""
-    stream = windows(data, args.seq, args.batch, torch.Generator().manual_seed(1))
+    stream = windows(data, args.seq, args.batch, torch.Generator().manual_seed(data_seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup))
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, args))
     curve = [(0.0, 0, evaluate(model, val_batches))]
     elapsed = 0.0
     for step in range(1, args.steps + 1):
@@ -101,6 +120,32 @@ def train(model: nn.Module, args, data: torch.Tensor, val_batches, label: str) -
     return curve
 
 
+def _approximate(model: nn.Module, label: str, example: tuple, result: dict, announce: bool) -> nn.Module:
+    kind, budget = label.split()
+    start = time.perf_counter()
+    if kind.startswith("memory"):   # saved activations only: "memory B" (measured widths), "memory-width B"
+        policy = "width" if kind == "memory-width" else "measured"
+        model = fxapprox.approximate(model, 1.0, memory_budget=float(budget), example_inputs=example,
+                                     config=fxapprox.ApproxConfig(activation_policy=policy, progress=True))
+    else:
+        model = fxapprox.approximate(model, float(budget), example_inputs=example,
+                                     config=fxapprox.ApproxConfig(policy=kind, progress=True))
+    plan = model.plan
+    note = plan.note if plan.memory is None else plan.memory.note
+    result.update(achieved=plan.achieved if plan.memory is None else plan.memory.achieved,
+                  predicted_error=plan.predicted_error if plan.memory is None else plan.memory.predicted_error,
+                  planning_s=time.perf_counter() - start, note=note,
+                  layers=[{"layer": d.target, "mode": d.mode, "method": d.method, "keep": d.keep_ratio,
+                           "predicted_error": d.predicted_error, "speedup": d.measured_speedup}
+                          for d in plan.approximated])
+    if announce:
+        print(f"{label}: planned in {result['planning_s']:.1f} s — {note}")
+        for d in plan.approximated:
+            speed = "" if d.measured_speedup is None else f" {d.measured_speedup:.2f}x"
+            print(f"    {d.target:18s} {d.mode:11s} {d.method:8s} keep {d.keep_ratio:.2f}{speed}")
+    return model
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
@@ -111,8 +156,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                        help="learning rate after warm-up: constant (curves comparable at any time) or a cosine "
+                             "decay to a tenth at the last step (final losses that vary far less between runs)")
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000)
     parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="batch orders per configuration (seeds 1..N); curves and losses are their means")
     parser.add_argument("--configs", default="exact,flops 0.5,measured 0.5,measured 0.7",
                         help="comma-separated: exact, 'flops B', 'measured B', 'memory B', 'memory-width B'")
     parser.add_argument("--plot", default=None, help="write validation loss vs wall-clock to this PNG")
@@ -132,32 +182,23 @@ def main(argv=None) -> dict:
     example = (next(windows(train_data, args.seq, args.batch, torch.Generator().manual_seed(3)))[0],)
     results = {}
     for label in [c.strip() for c in args.configs.split(",")]:
-        model = copy.deepcopy(base)
         result: dict = {}
-        if label != "exact":
-            kind, budget = label.split()
-            start = time.perf_counter()
-            if kind.startswith("memory"):   # saved activations only: "memory B" (measured widths), "memory-width B"
-                policy = "width" if kind == "memory-width" else "measured"
-                model = fxapprox.approximate(model, 1.0, memory_budget=float(budget), example_inputs=example,
-                                             config=fxapprox.ApproxConfig(activation_policy=policy, progress=True))
-            else:
-                model = fxapprox.approximate(model, float(budget), example_inputs=example,
-                                             config=fxapprox.ApproxConfig(policy=kind, progress=True))
-            plan = model.plan
-            note = plan.note if plan.memory is None else plan.memory.note
-            result.update(achieved=plan.achieved if plan.memory is None else plan.memory.achieved,
-                          predicted_error=plan.predicted_error if plan.memory is None else plan.memory.predicted_error,
-                          planning_s=time.perf_counter() - start, note=note,
-                          layers=[{"layer": d.target, "mode": d.mode, "method": d.method, "keep": d.keep_ratio,
-                                   "predicted_error": d.predicted_error, "speedup": d.measured_speedup}
-                                  for d in plan.approximated])
-            print(f"{label}: planned in {result['planning_s']:.1f} s — {note}")
-            for d in plan.approximated:
-                speed = "" if d.measured_speedup is None else f" {d.measured_speedup:.2f}x"
-                print(f"    {d.target:18s} {d.mode:11s} {d.method:8s} keep {d.keep_ratio:.2f}{speed}")
-        result["curve"] = train(model, args, train_data, val_batches, label)
+        curves = []
+        for seed in range(1, args.seeds + 1):
+            model = copy.deepcopy(base)
+            if label != "exact":
+                model = _approximate(model, label, example, result, announce=seed == 1)
+            curves.append(train(model, args, train_data, val_batches, label if args.seeds == 1 else f"{label} #{seed}",
+                                data_seed=seed))
+        # the seed-mean curve: mean training time and mean validation loss at each evaluation
+        result["curve"] = [(sum(c[i][0] for c in curves) / len(curves), curves[0][i][1],
+                            sum(c[i][2] for c in curves) / len(curves)) for i in range(len(curves[0]))]
+        result["final_losses"] = [c[-1][2] for c in curves]
         results[label] = result
+        if args.seeds > 1:
+            finals = result["final_losses"]
+            print(f"{label}: final val loss per seed {', '.join(f'{f:.4f}' for f in finals)}; mean "
+                  f"{statistics.mean(finals):.4f} ± {statistics.stdev(finals):.4f}")
     rows = compare(results)
     print_rows(rows)
     if args.plot:

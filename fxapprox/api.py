@@ -18,7 +18,9 @@ from fxapprox._validate import check_choice, check_fraction
 from fxapprox.config import ApproxConfig
 from fxapprox.errors import PlanNotReadyError
 from fxapprox.modules import APPROX_MODULE_TYPES
+from fxapprox.ops.attention import as_in_compressed_training
 from fxapprox.ops.sampling import METHODS
+from fxapprox.passes.attention_recompute import recompute_attention
 from fxapprox.passes.budget_policy import plan_budget
 from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.channels import annotate_channels
@@ -26,7 +28,7 @@ from fxapprox.passes.compact_pooling import compact_max_pools
 from fxapprox.passes.flops import count_flops
 from fxapprox.passes.measure_candidates import measure_candidates
 from fxapprox.passes.measure_saved import measure_saved_values
-from fxapprox.passes.memory_policy import memory_candidates, plan_memory
+from fxapprox.passes.memory_policy import memory_candidates, plan_memory, resolve_recompute
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.rewrite_saved import rewrite_saved_activations
@@ -36,7 +38,8 @@ from fxapprox.passes.trace import trace
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
-from fxapprox.saved_activations import SavedActivationStats, SavingOptions, compressing_saved_tensors
+from fxapprox.saved_activations import (SavedActivationStats, SavingOptions, compress_saved, compressing_saved_tensors,
+                                        recompute_saved)
 
 
 @contextlib.contextmanager
@@ -116,13 +119,15 @@ class ApproxGraphModule(torch.fx.GraphModule):
         memory_budget = state["memory_budget"]
         if config.activation_bits is not None or (memory_budget is not None and memory_budget < 1.0):
             compact_max_pools(self)
+            recompute_attention(self)
             # Sampled layers save gathered copies and max pools byte offsets now: measure the rewritten graph.
-            with _measurement_sandbox(self):
+            with _measurement_sandbox(self), as_in_compressed_training():
                 measure_saved_bytes(self, *inputs, progress=config.progress)
+                memory_config = state["memory_config"] = resolve_recompute(self, memory_budget, config)
                 if config.activation_policy == "measured" and config.activation_bits is None:
-                    measure_saved_values(self, *inputs, values=memory_candidates(self, config), config=config,
-                                         progress=config.progress)
-            memory_plan = plan_memory(self, memory_budget, config)
+                    measure_saved_values(self, *inputs, values=memory_candidates(self, memory_config),
+                                         config=memory_config, progress=config.progress)
+            memory_plan = plan_memory(self, memory_budget, memory_config)
             rewrite_saved_activations(self, memory_plan)
             plan = dataclasses.replace(plan, memory=memory_plan)
             state["saving"] = SavingOptions(config.activation_group_size, config.activation_rounding,
@@ -132,12 +137,60 @@ class ApproxGraphModule(torch.fx.GraphModule):
         self.set_approximate(state["enabled"])
         return plan
 
+    def replan_memory(self, *args, **kwargs) -> Plan:
+        """Choose the saved activations' widths again, measured on these inputs and the current weights.
+
+        The plan is made on the first batch, at the weights the model has then; as a model trains, the
+        values' sensitivities move (attention's inputs grow costlier, ``benchmarks/bench_planner.py``,
+        "attention"). This re-measures every value's cost, solves the same budget again and re-marks the
+        graph, as GACT adapts its bits during training. ``ApproxConfig(activation_replan_every=N)`` does it
+        every ``N`` training steps on that step's batch. Returns the updated plan.
+
+        Example::
+
+            >>> approx = fxapprox.approximate(model, 1.0, memory_budget=0.125, example_inputs=(x,))
+            >>> ...  # train a while
+            >>> approx.replan_memory(x).memory.note
+        """
+        state = self._fxapprox_state
+        plan = self.plan
+        if plan.memory is None:
+            raise RuntimeError("replan_memory needs a memory plan: approximate the model with memory_budget < 1 "
+                               "(activation_bits plans choose no widths)")
+        config: ApproxConfig = state["config"]
+        inputs = self._positional_inputs(args, kwargs)
+        markers = [n for n in self.graph.nodes if n.target in (compress_saved, recompute_saved)]
+        modules = {arg for n in markers if n.target is recompute_saved for arg in n.args[2:3]
+                   if isinstance(arg, torch.fx.Node)}
+        for node in markers:
+            self.graph.erase_node(node)
+        for node in modules:
+            if not node.users:
+                self.graph.erase_node(node)
+        self.recompile()
+        config = state["memory_config"]
+        with _measurement_sandbox(self), as_in_compressed_training():
+            if config.activation_policy == "measured" and config.activation_bits is None:
+                measure_saved_values(self, *inputs, values=memory_candidates(self, config), config=config,
+                                     progress=config.progress)
+        memory_plan = plan_memory(self, state["memory_budget"], config)
+        rewrite_saved_activations(self, memory_plan)
+        plan = dataclasses.replace(plan, memory=memory_plan)
+        state["plan"] = plan
+        state["report"] = Report(plan, state["model_name"], _shapes(inputs))
+        state["replans"] = state.get("replans", 0) + 1
+        return plan
+
     def __call__(self, *args, **kwargs):
         state = self._fxapprox_state
         if state["plan"] is None:
             self.plan_from(*args, **kwargs)
         if state["saving"] is None or not (state["enabled"] and self.training and torch.is_grad_enabled()):
             return super().__call__(*args, **kwargs)
+        every = state["config"].activation_replan_every
+        state["training_steps"] = state.get("training_steps", 0) + 1
+        if every and state["training_steps"] % every == 0 and state["memory_budget"] is not None:
+            self.replan_memory(*args, **kwargs)
         with compressing_saved_tensors(state["saving"], self) as compressor:
             output = super().__call__(*args, **kwargs)
         state["saved_stats"] = compressor.stats()

@@ -149,6 +149,17 @@ class ApproxConfig:
       (default: each value's gradient cost at 8/4/2 bits is measured on the example
       batch and the budget is met with the least predicted error) or ``"width"``
       (widest values lowered first, one step at a time: even widths).
+    - ``activation_recompute``: rebuild saved values in backward from another value's
+      copy instead of storing them. ``True``: the outputs of LayerNorm, GELU and other
+      cheap elementwise ops whose input is saved anyway (their bytes drop out of the plan;
+      the pair is measured together). ``"linear"``: also plain ``nn.Linear`` outputs whose
+      input is stored or rebuilt (a feed-forward block's first Linear and GELU from the
+      residual stream's copy: one more GEMM in backward for the largest saved value).
+      ``"auto"`` (default): ``"linear"`` only when the budget cannot be met otherwise with
+      every value at 8 bits or more, else ``True``. ``False``: nothing is rebuilt.
+    - ``activation_replan_every``: with a ``memory_budget``, choose the widths again every
+      this many training steps, measured on that step's batch and the current weights
+      (``ApproxGraphModule.replan_memory``); ``None`` (default) plans once.
     - ``activation_compile``: pack and unpack with ``torch.compile``d kernels (the
       first training step compiles them, ~1 min on a laptop CPU); ``False`` runs
       the same code eagerly.
@@ -182,6 +193,8 @@ class ApproxConfig:
     activation_min_bytes: int = 65536
     activation_compile: bool = True
     activation_policy: str = "measured"
+    activation_recompute: bool | str = "auto"
+    activation_replan_every: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)):
@@ -241,6 +254,11 @@ class ApproxConfig:
         if not isinstance(self.activation_compile, bool):
             raise TypeError(f"activation_compile must be a bool, got {self.activation_compile!r}")
         check_choice("activation_policy", self.activation_policy, ("measured", "width"))
+        if self.activation_replan_every is not None:
+            check_int("activation_replan_every", self.activation_replan_every, minimum=1)
+        if not (isinstance(self.activation_recompute, bool) or self.activation_recompute in ("linear", "auto")):
+            raise ValueError("activation_recompute must be True, False, 'linear' or 'auto', got "
+                             f"{self.activation_recompute!r}")
 
     @classmethod
     def paper_recipe(cls, keep_ratio: float = 0.5, min_channels: int = 64, **kwargs) -> "ApproxConfig":
@@ -297,4 +315,6 @@ class ApproxConfig:
             "activation_min_bytes": self.activation_min_bytes,
             "activation_compile": self.activation_compile,
             "activation_policy": self.activation_policy,
+            "activation_recompute": self.activation_recompute,
+            "activation_replan_every": self.activation_replan_every,
         }

@@ -73,6 +73,8 @@ class SavedValueDecision:
     compressed: bool = False
     #: the measured memory policy's predicted model-gradient error of this value's copy
     predicted_error: float | None = None
+    #: the value backward rebuilds this one from (re-running its op on that value's copy); nothing is stored
+    recomputed_from: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +102,10 @@ class MemoryPlan:
     @property
     def compressed(self) -> tuple[SavedValueDecision, ...]:
         return tuple(v for v in self.values if v.compressed)
+
+    @property
+    def recomputed(self) -> tuple[SavedValueDecision, ...]:
+        return tuple(v for v in self.values if v.recomputed_from is not None)
 
     def to_dict(self) -> dict:
         return {"memory_budget": self.memory_budget, "total_exact_bytes": self.total_exact_bytes,

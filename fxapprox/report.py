@@ -87,8 +87,9 @@ class Report:
                               ("why", "left")):
             table.add_column(name, justify=justify, overflow="fold")
         for v in memory.values:
-            style = None if plain else ("green" if v.compressed else "dim")
-            bits = f"{v.bits}{' (sign-exact)' if v.sign_exact else ''}"
+            rebuilt = v.recomputed_from is not None
+            style = None if plain else ("green" if v.compressed or rebuilt else "dim")
+            bits = "rebuilt" if rebuilt else f"{v.bits}{' (sign-exact)' if v.sign_exact else ''}"
             table.add_row(v.node, "x".join(map(str, v.shape)) if v.shape else "-", v.dtype, ", ".join(v.savers),
                           f"{v.exact_bytes / 2**20:.2f}", bits, f"{v.planned_bytes / 2**20:.2f}", v.reason,
                           style=style)

@@ -14,7 +14,12 @@ planned graph value, a node ``compress_saved(value, bits, sign_exact)``. While a
 * a tensor saved *before* its tag (a ReLU saving its own result) waits as a
   pending handle and is packed when the tag arrives;
 * untagged tensors (parameters, small or exact-planned values) are kept as they
-  are; boolean tensors (dropout masks) are bit-packed losslessly.
+  are; boolean tensors (dropout masks) are bit-packed losslessly;
+* ``recompute_saved(value, source, recipe, args, kwargs)`` (inserted after a
+  LayerNorm, GELU and the like whose input is saved anyway) marks the value as
+  *rebuilt in backward*: what autograd saves from it keeps nothing but a
+  reference to the source's saved copy and re-runs the op on it when unpacked
+  (see :data:`RECOMPUTABLE_FUNCTIONS`).
 
 Unpacking rebuilds a tensor each time it is asked (``retain_graph=True`` works);
 double backward through a compressed copy is refused with a clear error.
@@ -33,6 +38,26 @@ from fxapprox.ops._derived import local as _local
 from fxapprox.ops._derived import note_derived, record_derivations
 from fxapprox.ops.quantize import FLOAT_DTYPES, QuantizedTensor, pack_mask, quantize
 
+#: Functions whose output the memory plan may rebuild in backward from its input's saved copy instead of storing it
+#: (``recipe`` names in ``recompute_saved`` nodes): elementwise activations and normalisations, cheap next to the
+#: matmuls around them and deterministic. The same ops as modules: :data:`RECOMPUTABLE_MODULES`.
+RECOMPUTABLE_FUNCTIONS = {
+    "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu, "mish": torch.nn.functional.mish,
+    "hardswish": torch.nn.functional.hardswish, "elu": torch.nn.functional.elu,
+    "softplus": torch.nn.functional.softplus, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "layer_norm": torch.nn.functional.layer_norm, "group_norm": torch.nn.functional.group_norm,
+    # not cheap: rebuilt only with ApproxConfig(activation_recompute="linear")
+    "linear": torch.nn.functional.linear,
+}
+if hasattr(torch.nn.functional, "rms_norm"):  # torch >= 2.4
+    RECOMPUTABLE_FUNCTIONS["rms_norm"] = torch.nn.functional.rms_norm
+#: methods (``x.tanh()``) rebuilt the same way
+RECOMPUTABLE_METHODS = ("tanh", "sigmoid")
+#: module types rebuilt the same way (not when built ``inplace=True``)
+RECOMPUTABLE_MODULES = tuple(getattr(torch.nn, name) for name in (
+    "GELU", "SiLU", "Mish", "Hardswish", "ELU", "Softplus", "Tanh", "Sigmoid", "LayerNorm", "GroupNorm", "RMSNorm")
+    if hasattr(torch.nn, name))
+
 
 def storage_ptr(tensor: torch.Tensor) -> int | None:
     """Address of ``tensor``'s storage (``None`` for mkldnn/sparse tensors, which have no plain storage)."""
@@ -42,21 +67,49 @@ def storage_ptr(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers a gap-free, non-overlapping run of its storage (any order of dimensions:
+    contiguous, channels-last, a transpose of a contiguous tensor)."""
+    span = 1
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        if size > 1:
+            if stride <= 0:
+                return False
+            span += (size - 1) * stride
+    if span != tensor.numel():
+        return False
+    # A gap-free span of numel elements with no overlap: the strides, sorted, must be the running products.
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s > 1),
+                               key=lambda pair: pair[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _layout(tensor: torch.Tensor):
-    if tensor.is_contiguous():
-        return "c"
-    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
-        return "nhwc"
+    # Dense views of one run of memory (attention's output and the merged-heads view a projection saves) are
+    # one tensor to the plan: they share a key, and so one copy, kept in memory order.
+    if is_dense(tensor):
+        return "dense"
     return (tuple(tensor.shape), tensor.stride())
 
 
 def tensor_key(tensor: torch.Tensor, ptr: int) -> tuple:
     """What names one saved tensor: storage, offset, size, dtype, version and memory layout.
 
-    Views with the same storage, offset, size and layout share a key (``flatten`` of a
-    contiguous tensor), so they share one copy.
+    Dense views of the same run of storage (any permutation of dimensions) share a key, so they share
+    one copy.
     """
     return (ptr, tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version, _layout(tensor))
+
+
+def _memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """The 1-D run of storage a dense tensor covers (a view), or its elements in logical order (a copy)."""
+    if is_dense(tensor):
+        return tensor.as_strided((tensor.numel(),), (1,))
+    return tensor.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -75,14 +128,15 @@ class SavedActivationStats:
 
 
 class _Handle:
-    """What the pack hook returns: a tensor kept as is, or a shared compressed copy."""
+    """What the pack hook returns: a tensor kept as is, or a shared compressed copy (of its memory-order run)."""
 
-    __slots__ = ("tensor", "copy", "shape")
+    __slots__ = ("tensor", "copy", "shape", "stride")
 
-    def __init__(self, tensor: torch.Tensor | None, copy: QuantizedTensor | None, shape: torch.Size) -> None:
+    def __init__(self, tensor: torch.Tensor | None, copy, shape: torch.Size) -> None:
         self.tensor = tensor
         self.copy = copy
         self.shape = shape
+        self.stride = tuple(tensor.stride()) if tensor is not None and is_dense(tensor) else None
 
     def unpack(self) -> torch.Tensor:
         if self.copy is None:
@@ -94,7 +148,64 @@ class _Handle:
         # Rebuilt on every unpack and never cached: a tensor saved by several nodes is rebuilt for
         # each, which costs a pass but keeps backward's peak low (holding rebuilt tensors for the
         # next saver measured 20% less batch under a memory cap).
-        return self.copy.dequantize().view(self.shape)
+        rebuilt = self.copy.dequantize()
+        if isinstance(self.copy, QuantizedTensor) and self.stride is not None:
+            return rebuilt.as_strided(self.shape, self.stride)
+        return rebuilt.view(self.shape)
+
+
+def rebuild_view(full: torch.Tensor, base: tuple, view: tuple) -> torch.Tensor:
+    """The view ``view`` (size, stride, offset) of a tensor laid out like ``base``, cut from ``full``'s values."""
+    size, stride, offset = base
+    if tuple(full.stride()) != tuple(stride) or full.shape != size:
+        laid_out = torch.empty_strided(size, stride, dtype=full.dtype, device=full.device)
+        laid_out.copy_(full)
+        full = laid_out
+    view_size, view_stride, view_offset = view
+    return full.as_strided(view_size, view_stride, full.storage_offset() + view_offset - offset)
+
+
+class RecomputedCopy:
+    """A saved tensor that keeps nothing of its own: backward re-runs ``recipe`` on the source's saved copy.
+
+    ``source`` is the source value's :class:`QuantizedTensor` (or the tensor itself, when it is kept exact:
+    autograd holds it anyway), ``source_shape`` its ``(shape, stride)`` (stride ``None``: a copy in logical
+    order); ``args``/``kwargs`` are the op's other arguments with ``None`` where the source
+    goes (``slot``).
+    """
+
+    __slots__ = ("source", "source_shape", "recipe", "args", "kwargs", "slot", "base", "view", "dtype", "autocast")
+    nbytes = 0
+
+    def __init__(self, source, source_shape, recipe, args, kwargs, slot, base: tuple, view: tuple, dtype,
+                 autocast: tuple) -> None:
+        self.source, self.source_shape, self.recipe = source, source_shape, recipe
+        self.args, self.kwargs, self.slot = args, kwargs, slot
+        self.base, self.view, self.dtype = base, view, dtype
+        # (device type, autocast dtype or None): backward re-runs the op under the autocast of its forward
+        self.autocast = autocast
+
+    def dequantize(self) -> torch.Tensor:
+        source = self.source
+        if isinstance(source, QuantizedTensor):
+            shape, stride = self.source_shape
+            rebuilt = source.dequantize()
+            source = rebuilt.as_strided(shape, stride) if stride is not None else rebuilt.view(shape)
+        elif isinstance(source, RecomputedCopy):   # a chain: the source is rebuilt first, in its own view
+            source = source.dequantize()
+        args, kwargs = list(self.args), dict(self.kwargs)
+        if isinstance(self.slot, int):
+            args[self.slot] = source
+        else:
+            kwargs[self.slot] = source
+        device, autocast_dtype = self.autocast
+        with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            full = self.recipe(*args, **kwargs)
+        return rebuild_view(full.to(self.dtype), self.base, self.view)
+
+
+def _geometry(tensor: torch.Tensor) -> tuple:
+    return (tensor.shape, tuple(tensor.stride()), tensor.storage_offset())
 
 
 @dataclass(frozen=True)
@@ -115,6 +226,7 @@ class SavedTensorCompressor:
         self._tags: dict[int, tuple[StorageWeakRef, int, bool]] = {}
         self._pending: dict[int, list[tuple[_Handle, torch.Tensor, tuple, StorageWeakRef]]] = {}
         self._copies: dict[tuple, tuple[StorageWeakRef, QuantizedTensor]] = {}
+        self._recipes: dict[int, tuple[StorageWeakRef, tuple]] = {}
         # Accounting. Keys name a tensor only while its storage lives (a freed address is reused),
         # so each entry keeps a weak reference and a dead entry counts as a new tensor.
         self._seen: dict[tuple, StorageWeakRef] = {}
@@ -134,6 +246,49 @@ class SavedTensorCompressor:
         self._tags[ptr] = (StorageWeakRef(value.untyped_storage()), bits, sign_exact)
         for handle, tensor, key, storage in self._pending.pop(ptr, ()):
             self._compress_into(handle, tensor, key, storage, bits, sign_exact)
+
+    def tag_recompute(self, value, source, recipe, args: tuple, kwargs: dict) -> None:
+        """Mark ``value`` (``= recipe(*args, **kwargs)``, ``source`` among the arguments) as rebuilt in backward."""
+        if not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor):
+            return
+        ptr = storage_ptr(value)
+        if ptr is None or ptr in self.state_storages:
+            return
+        slot = next((i for i, a in enumerate(args) if a is source), None)
+        if slot is None:
+            slot = next(k for k, a in kwargs.items() if a is source)
+        args = tuple(None if i == slot else a for i, a in enumerate(args))
+        kwargs = {k: (None if k == slot else a) for k, a in kwargs.items()}
+        # The source's copy, made when one of its savers packed it (the plan only recomputes values whose
+        # source is saved before them); a source kept exact is held as is (autograd holds it anyway).
+        source_ptr = storage_ptr(source)
+        chained = self._recipes.get(source_ptr)
+        if chained is not None and not chained[0].expired():   # the source is rebuilt too: a chain
+            copy = self._recomputed_copy(chained[1], source)
+        else:
+            key = tensor_key(source, source_ptr)
+            copy = next((entry[1] for cache_key, entry in self._copies.items()
+                         if cache_key[:len(key)] == key and not entry[0].expired()), None)
+        source_shape = (source.shape, tuple(source.stride()) if is_dense(source) else None)
+        device = value.device.type
+        autocast = (device, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+        recipe_entry = (copy if copy is not None else source, source_shape, recipe, args, kwargs, slot,
+                        _geometry(value), value.dtype, autocast)
+        self._recipes[ptr] = (StorageWeakRef(value.untyped_storage()), recipe_entry)
+        for handle, tensor, key, _ in self._pending.pop(ptr, ()):
+            self._recompute_into(handle, tensor, key, recipe_entry)
+
+    @staticmethod
+    def _recomputed_copy(entry: tuple, tensor: torch.Tensor) -> RecomputedCopy:
+        source, source_shape, recipe, args, kwargs, slot, base, dtype, autocast = entry
+        return RecomputedCopy(source, source_shape, recipe, args, kwargs, slot, base, _geometry(tensor), dtype,
+                              autocast)
+
+    def _recompute_into(self, handle: _Handle, tensor: torch.Tensor, key: tuple, entry: tuple) -> None:
+        if key in self._kept:
+            self.kept_bytes -= self._kept.pop(key)
+        handle.tensor = None
+        handle.copy = self._recomputed_copy(entry, tensor)
 
     def tag_like(self, derived: torch.Tensor, source: torch.Tensor) -> None:
         """Give ``derived`` (e.g. the gathered columns a sampled op saves) the tag of ``source``."""
@@ -161,6 +316,10 @@ class SavedTensorCompressor:
         handle = _Handle(tensor, None, tensor.shape)
         if tensor.dtype == torch.bool:
             self._compress_into(handle, tensor, key, seen, 1, False)
+            return handle
+        recipe = self._recipes.get(ptr)
+        if recipe is not None and not recipe[0].expired():
+            self._recompute_into(handle, tensor, key, recipe[1])
             return handle
         tag = self._live_tag(ptr)
         if tag is None:
@@ -191,10 +350,11 @@ class SavedTensorCompressor:
         if cached is not None and not cached[0].expired():
             copy = cached[1]
         else:
+            flat = _memory_order(tensor)
             if bits == 1:
-                copy = pack_mask(tensor)
+                copy = pack_mask(flat)
             else:
-                copy = quantize(tensor, bits, group_size=self.options.group_size, rounding=self.options.rounding,
+                copy = quantize(flat, bits, group_size=self.options.group_size, rounding=self.options.rounding,
                                 sign_exact=sign_exact, compiled=self.options.compiled)
             self._copies[cache_key] = (storage, copy)
             self.packed_bytes += copy.nbytes
@@ -210,6 +370,7 @@ class SavedTensorCompressor:
         self._tags.clear()
         self._pending.clear()
         self._copies.clear()
+        self._recipes.clear()
         self._seen.clear()
 
 
@@ -228,8 +389,31 @@ def compress_saved(value, bits: int, sign_exact: bool = False) -> None:
         compressor.tag(value, bits, sign_exact)
 
 
-# Not dead code to torch.fx: it has no users, but it must run where it stands.
+def recompute_saved(value, source, recipe, args: tuple, kwargs: dict) -> None:
+    """Graph node inserted by the memory rewrite: rebuild ``value`` in backward instead of saving it.
+
+    ``value`` is ``recipe(*args, **kwargs)`` with ``source`` among the arguments; ``recipe`` is a module or a
+    name in :data:`RECOMPUTABLE_FUNCTIONS` (``"method:tanh"`` for a method). Whatever autograd saves from
+    ``value`` keeps only a reference to the source's saved copy. Does nothing outside a compressing training
+    forward.
+    """
+    compressor = _current()
+    if compressor is None:
+        return
+    if isinstance(recipe, str):
+        if recipe.startswith("method:"):
+            method = recipe.split(":", 1)[1]
+            function = (lambda name: lambda self, *a, **k: getattr(self, name)(*a, **k))(method)
+        else:
+            function = RECOMPUTABLE_FUNCTIONS[recipe]
+    else:
+        function = recipe
+    compressor.tag_recompute(value, source, function, args, kwargs)
+
+
+# Not dead code to torch.fx: they have no users, but they must run where they stand.
 torch.fx.node.has_side_effect(compress_saved)
+torch.fx.node.has_side_effect(recompute_saved)
 
 
 def state_storages(module: torch.nn.Module) -> set[int]:
@@ -296,6 +480,7 @@ class count_saved_bytes:  # noqa: N801 — used like a function: ``with count_sa
         self._hooks.__exit__(*exc)
 
 
-__all__ = ["SavedActivationStats", "SavedTensorCompressor", "SavingOptions", "compress_saved",
+__all__ = ["RECOMPUTABLE_FUNCTIONS", "RECOMPUTABLE_METHODS", "RECOMPUTABLE_MODULES", "RecomputedCopy",
+           "SavedActivationStats", "SavedTensorCompressor", "SavingOptions", "compress_saved", "recompute_saved",
            "compressing_saved_tensors", "count_saved_bytes", "note_derived", "record_derivations", "state_storages",
-           "storage_ptr", "tensor_key"]
+           "is_dense", "storage_ptr", "tensor_key"]

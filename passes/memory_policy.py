@@ -12,6 +12,15 @@ ops (``relu_``) alias it — so a tensor is never kept both exact and compressed
    bit-packed losslessly.
 2. A value every saver of which only asks ``value > 0`` (a ReLU saving its own
    result, nothing else) becomes a 1-bit mask: lossless, so it goes first.
+   The output of a LayerNorm, GELU or another op of
+   :data:`~fxapprox.saved_activations.RECOMPUTABLE_FUNCTIONS` whose input is saved
+   anyway (a LayerNorm and a GELU save their input themselves) is *recomputed*: backward
+   re-runs the op on the input's saved copy, so it keeps no bytes of its own and shares
+   its input's width (``activation_recompute``; the pair is measured together). When the
+   budget cannot be met otherwise with every value at 8 bits or more
+   (:func:`resolve_recompute`), plain Linear outputs are rebuilt too, through chains of
+   rebuilt values (a feed-forward block's LayerNorm → Linear → GELU from the residual
+   stream's copy).
 3. Then the bits of the others. With ``activation_policy="measured"`` (default)
    each value's cost at 8, 4 and 2 bits has been measured on the example batch
    (``passes/measure_saved.py``: its savers' gradient errors, as GACT adapts bits
@@ -31,6 +40,7 @@ bits (the budget is then only reported against), like the compute policy's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -38,19 +48,23 @@ import torch.fx
 from torch import nn
 
 from fxapprox.config import ApproxConfig
+from fxapprox.ops.attention import attention_from_saved_inputs
 from fxapprox.ops.quantize import quantized_nbytes
 from fxapprox.plan import MemoryPlan, SavedValueDecision
 from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta
+from fxapprox.saved_activations import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES
 
 _STEPS = (8, 4, 2)
 #: savers whose backward exponentiates a product of their saved inputs, with the fewest bits those inputs keep.
-#: Attention recomputes ``softmax(q·kᵀ)`` from the saved q and k against the exact log-sum-exp: a quantisation
-#: error in the scores is amplified by ``exp`` as attention sharpens in training, which the example batch (at
-#: initialisation, near-uniform attention) does not show. At 4 bits the char transformer's loss rose from step
-#: 200 and ended in NaN (an uncommitted experiment); with these inputs at 8 bits it trains without NaN
-#: (README, "Convergence on real data").
-_EXPONENTIATING_SAVERS = {torch.nn.functional.scaled_dot_product_attention: 8}
+#: Attention's weights are ``softmax(q·kᵀ)``: a quantisation error in the scores is multiplied through ``exp``, and
+#: it grows as the model trains, which the example batch (at initialisation, near-uniform attention) does not
+#: show. ``benchmarks/bench_planner.py`` ("attention") measures the 4-bit cost of q, k and v at initialisation and
+#: after training, with the rebuilt attention of ``fxapprox/ops/attention.py`` and with the kernel's own backward
+#: (with which, at 4 bits everywhere, the char transformer's loss was NaN from step 300 in a run outside the
+#: benchmarks).
+_EXPONENTIATING_SAVERS = {torch.nn.functional.scaled_dot_product_attention: 8, attention_from_saved_inputs: 8}
+_RECIPE_NAMES = {function: name for name, function in RECOMPUTABLE_FUNCTIONS.items()}
 _RELU_FUNCTIONS = {torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_}
 
 
@@ -135,6 +149,74 @@ def _values(gm: torch.fx.GraphModule) -> tuple[dict[str, _Value], int, int]:
     return {name: v for name, v in values.items() if v.exact_bytes}, internal, internal_bool
 
 
+def recipe_of(gm: torch.fx.GraphModule, node: torch.fx.Node, linear: bool = False
+              ) -> tuple[str, torch.fx.Node] | None:
+    """``(recipe, source)`` when the runtime can rebuild ``node``'s output in backward by re-running it on its one
+    activation input ``source`` (other tensor inputs must be parameters): the recipe is ``"module"``, a name in
+    ``RECOMPUTABLE_FUNCTIONS`` or ``"method:<name>"``. With ``linear``, plain ``nn.Linear`` modules and
+    ``F.linear`` calls qualify too (their rebuild costs a GEMM)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        plain_linear = linear and type(module) is nn.Linear
+        if not (plain_linear or isinstance(module, RECOMPUTABLE_MODULES)) or getattr(module, "inplace", False):
+            return None
+        recipe = "module"
+    elif node.op == "call_function" and linear and node.target is torch.nn.functional.linear:
+        recipe = "linear"
+    elif node.op == "call_function" and node.target in _RECIPE_NAMES and not node.kwargs.get("inplace"):
+        recipe = _RECIPE_NAMES[node.target]
+    elif node.op == "call_method" and node.target in RECOMPUTABLE_METHODS:
+        recipe = f"method:{node.target}"
+    else:
+        return None
+    inputs = [a for a in node.all_input_nodes if a.op != "get_attr"]
+    return (recipe, inputs[0]) if len(inputs) == 1 else None
+
+
+def _recomputed(gm: torch.fx.GraphModule, values: dict[str, _Value], config: ApproxConfig) -> dict[str, str]:
+    """``{value: source value}`` for the values backward rebuilds from their source, in graph order.
+
+    The source is either stored (saved by a node that runs before the value's savers, so its copy exists
+    when the value is marked) or itself rebuilt (a chain: ``activation_recompute="linear"`` rebuilds a
+    feed-forward block's LayerNorm, first Linear and GELU from the residual stream's copy). The value must
+    be a plain tensor of its own: not written in place, no sampled op's gathered copy, not a lossless ReLU
+    mask.
+    """
+    if not config.activation_recompute:
+        return {}
+    linear = config.activation_recompute == "linear"   # "auto" is decided by resolve_recompute first
+    order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
+    by_name = {node.name: node for node in gm.graph.nodes}
+    root_of = {m.name: name for name, value in values.items() for m in value.members}
+    rebuilt: dict[str, str] = {}
+    for name, value in values.items():
+        found = recipe_of(gm, value.root, linear)
+        if found is None or value.derived or _eligibility(value, config) is not None:
+            continue
+        if any(fx_meta(m).get("inplace") for m in value.members[1:]):
+            continue
+        # Savers must read the value itself, not a view of it: the measurement rebuilds the whole value.
+        if not all(saver == name or value.root in by_name[saver].all_input_nodes for saver in value.savers):
+            continue
+        source = root_of.get(found[1].name)
+        if source is None or source == name:
+            continue
+        if source not in rebuilt:
+            if not values[source].direct or _eligibility(values[source], config) == "sign":
+                continue
+            if min(order[s] for s in values[source].savers) > order[value.members[-1].name]:
+                continue
+        rebuilt[name] = source
+    return rebuilt
+
+
+def chain_root(rebuilt: dict[str, str], name: str) -> str:
+    """The stored value a rebuilt value is rebuilt from, through any rebuilt ones between."""
+    while name in rebuilt:
+        name = rebuilt[name]
+    return name
+
+
 def _floor_note(value: _Value, bits: int) -> str:
     if not value.min_bits or bits > value.min_bits:
         return ""
@@ -160,10 +242,51 @@ def _eligibility(value: _Value, config: ApproxConfig) -> str | None:
 
 
 def memory_candidates(gm: torch.fx.GraphModule, config: ApproxConfig) -> dict:
-    """The values whose bits the measured memory policy chooses: ``{name: (members, savers, sign_exact)}``."""
+    """The values whose bits the measured memory policy chooses:
+    ``{name: (members, savers, sign_exact, rebuilt)}`` with ``rebuilt`` the values recomputed from it,
+    directly or through others, ``[(name, members, savers, source)]`` in graph order, measured with it."""
     values, _, _ = _values(gm)
-    return {name: ({m.name for m in value.members}, sorted(value.savers), _sign_exact(gm, value))
-            for name, value in values.items() if _eligibility(value, config) is None}
+    rebuilt = _recomputed(gm, values, config)
+    dependents: dict[str, list] = {}
+    for name, source in rebuilt.items():
+        dependents.setdefault(chain_root(rebuilt, name), []).append(
+            (name, {m.name for m in values[name].members}, sorted(values[name].savers), source))
+    return {name: ({m.name for m in value.members}, sorted(value.savers), _sign_exact(gm, value),
+                   dependents.get(name, []))
+            for name, value in values.items() if _eligibility(value, config) is None and name not in rebuilt}
+
+
+def resolve_recompute(gm: torch.fx.GraphModule, memory_budget: float | None, config: ApproxConfig) -> ApproxConfig:
+    """``config`` with ``activation_recompute="auto"`` decided: Linear outputs are rebuilt (``"linear"``) only
+    when the budget cannot be met otherwise with every value at 8 bits or more.
+
+    On the char transformer at ``memory_budget=0.125`` the plan without them keeps 4-bit copies, and those
+    made the model-gradient error 8× larger after training than at initialisation (0.12 against 0.015 in
+    ``benchmarks/bench_planner.py``, "attention"); rebuilding the feed-forward block's first Linear and GELU
+    from the residual stream's copy lets every value keep 8 bits for one more GEMM in backward.
+    """
+    if config.activation_recompute != "auto":
+        return config
+    cheap = dataclasses.replace(config, activation_recompute=True)
+    if config.activation_bits is not None or memory_budget is None or memory_budget >= 1.0:
+        return cheap
+    values, internal, internal_bool = _values(gm)
+    rebuilt = _recomputed(gm, values, cheap)
+    group = config.activation_group_size
+    total = internal - internal_bool + (internal_bool + 7) // 8
+    for name, value in values.items():
+        blocker = _eligibility(value, config)
+        if name in rebuilt:
+            continue
+        if blocker == "sign":
+            total += value.bytes_at(1, group)
+        elif blocker is not None:
+            total += value.exact_bytes
+        else:
+            total += value.bytes_at(max(8, value.min_bits), group)
+    exact_total = sum(v.exact_bytes for v in values.values()) + internal
+    fits = total <= memory_budget * exact_total
+    return cheap if fits else dataclasses.replace(config, activation_recompute="linear")
 
 
 def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: ApproxConfig) -> MemoryPlan | None:
@@ -184,9 +307,16 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     reasons: dict[str, str] = {}
     candidates = []
     group = config.activation_group_size
+    rebuilt = _recomputed(gm, values, config)
+    for name in rebuilt:  # a rebuilt value's floor (attention reads it) binds the value it is rebuilt from
+        root = values[chain_root(rebuilt, name)]
+        if values[name].min_bits > root.min_bits:
+            root.min_bits, root.floor_saver = values[name].min_bits, values[name].floor_saver
     for name, value in values.items():
         bits[name] = _dtype_bits(value.dtype)
         blocker = _eligibility(value, config)
+        if name in rebuilt:
+            continue
         if blocker == "sign":
             bits[name] = 1
             reasons[name] = "1-bit mask: its only saver is the ReLU itself, which needs only value > 0"
@@ -197,8 +327,11 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
             reasons[name] = "kept: not needed for the budget"
     exact_total = sum(v.exact_bytes for v in values.values()) + internal
 
+    def planned_bytes(name: str) -> int:
+        return 0 if name in rebuilt else values[name].bytes_at(bits[name], group)
+
     def planned_total() -> int:
-        return sum(values[n].bytes_at(b, group) for n, b in bits.items()) + planned_internal
+        return sum(planned_bytes(n) for n in bits) + planned_internal
 
     routed = set()
     errors: dict[str, float] = {}
@@ -235,6 +368,18 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
             bits[name] = next(step for step in _STEPS if step < bits[name])
             total -= before - values[name].bytes_at(bits[name], group)
             reasons[name] = f"{bits[name]}-bit copy (memory budget)" + _floor_note(values[name], bits[name])
+    for name, source in rebuilt.items():
+        bits[name] = bits[chain_root(rebuilt, name)]
+        if source in rebuilt:
+            stored = "rebuilt value"
+        elif bits[source] >= _dtype_bits(values[source].dtype):
+            stored = "exact value"
+        else:
+            stored = f"{bits[source]}-bit copy"
+        root = values[name].root
+        recipe = recipe_of(gm, root, config.activation_recompute == "linear")[0]
+        op = type(gm.get_submodule(root.target)).__name__ if recipe == "module" else recipe
+        reasons[name] = f"recomputed in backward from {source}'s {stored} by {op} (stores nothing)"
     planned = planned_total()
     if memory_budget is None:
         met, budget_text = True, f"activation_bits={uniform_bits}"
@@ -243,7 +388,8 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
         budget_text = f"memory budget {memory_budget:g}"
     why_not = ""
     if not met:
-        kept = [v.exact_bytes for n, v in values.items() if bits[n] >= _dtype_bits(v.dtype) and n not in candidates]
+        kept = [v.exact_bytes for n, v in values.items()
+                if bits[n] >= _dtype_bits(v.dtype) and n not in candidates and n not in rebuilt]
         why_not = (f", NOT met: every eligible value is at its lowest width; {len(kept)} values ({_mib(sum(kept))}) "
                    f"and {_mib(planned_internal)} of temporaries stay as they are")
     predicted = math.sqrt(sum(errors.values())) if measured else None
@@ -253,13 +399,15 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     decisions = []
     for name, value in values.items():
         b = bits[name]
-        compressed = b < _dtype_bits(value.dtype) or name in routed
+        source = rebuilt.get(name)
+        compressed = source is None and (b < _dtype_bits(value.dtype) or name in routed)
         decisions.append(SavedValueDecision(
             node=name, shape=value.shape, dtype=str(value.dtype).replace("torch.", ""),
-            exact_bytes=value.exact_bytes, planned_bytes=value.bytes_at(b, group), bits=b, reason=reasons[name],
+            exact_bytes=value.exact_bytes, planned_bytes=planned_bytes(name), bits=b, reason=reasons[name],
             savers=sorted(value.savers), aliases=[m.name for m in value.members[1:]],
             sign_exact=compressed and 1 < b < 16 and _sign_exact(gm, value), compressed=compressed,
-            predicted_error=(math.sqrt(errors.get(name, 0.0)) if measured else None)))
+            predicted_error=(math.sqrt(errors.get(name, 0.0)) if measured and source is None else None),
+            recomputed_from=source))
     return MemoryPlan(memory_budget=memory_budget, total_exact_bytes=int(exact_total),
                       total_planned_bytes=int(planned), internal_bytes=int(internal), budget_met=met, note=note,
                       values=tuple(decisions), predicted_error=predicted)

@@ -6,14 +6,19 @@ has no users and no effect outside a compressing training forward; inside one it
 tags the value's storage, so whatever autograd saves from it is kept as a
 ``bits``-bit copy (see :mod:`fxapprox.saved_activations`). The forward's values
 are untouched, so the forward stays exact.
+
+A value the plan recomputes gets ``recompute_saved(value, source, recipe, args,
+kwargs)`` instead, with the op's own arguments (its module through a ``get_attr``
+node): backward re-runs the op on the source's saved copy.
 """
 
 from __future__ import annotations
 
 import torch.fx
 
+from fxapprox.passes.memory_policy import recipe_of
 from fxapprox.plan import MemoryPlan
-from fxapprox.saved_activations import compress_saved
+from fxapprox.saved_activations import compress_saved, recompute_saved
 
 
 def rewrite_saved_activations(gm: torch.fx.GraphModule, memory_plan: MemoryPlan) -> torch.fx.GraphModule:
@@ -30,6 +35,14 @@ def rewrite_saved_activations(gm: torch.fx.GraphModule, memory_plan: MemoryPlan)
         last = by_name[(decision.aliases or [decision.node])[-1]]
         with gm.graph.inserting_after(last):
             gm.graph.call_function(compress_saved, (last, decision.bits, decision.sign_exact))
+    for decision in memory_plan.recomputed:
+        node, last = by_name[decision.node], by_name[(decision.aliases or [decision.node])[-1]]
+        recipe, source = recipe_of(gm, node, linear=True)   # the plan only lists what its config allowed
+        with gm.graph.inserting_after(last):
+            if recipe == "module":
+                recipe = gm.graph.get_attr(node.target)
+            with gm.graph.inserting_after(recipe if isinstance(recipe, torch.fx.Node) else last):
+                gm.graph.call_function(recompute_saved, (node, source, recipe, tuple(node.args), dict(node.kwargs)))
     gm.graph.lint()
     gm.recompile()
     return gm
