@@ -260,10 +260,10 @@ def resolve_recompute(gm: torch.fx.GraphModule, memory_budget: float | None, con
     """``config`` with ``activation_recompute="auto"`` decided: Linear outputs are rebuilt (``"linear"``) only
     when the budget cannot be met otherwise with every value at 8 bits or more.
 
-    On the char transformer at ``memory_budget=0.125`` the plan without them keeps 4-bit copies, and those
-    made the model-gradient error 8× larger after training than at initialisation (0.12 against 0.015 in
-    ``benchmarks/bench_planner.py``, "attention"); rebuilding the feed-forward block's first Linear and GELU
-    from the residual stream's copy lets every value keep 8 bits for one more GEMM in backward.
+    On the char transformer at ``memory_budget=0.125`` the plan without them keeps 4-bit copies, whose
+    model-gradient error grows as the model trains (``benchmarks/bench_planner.py``, "attention"); rebuilding
+    the feed-forward block's first Linear and GELU from the residual stream's copy lets every value keep
+    8 bits, for one more GEMM in backward.
     """
     if config.activation_recompute != "auto":
         return config
