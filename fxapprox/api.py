@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import warnings
 
 import torch
 import torch.fx
@@ -40,6 +41,12 @@ from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.saved_activations import (SavedActivationStats, SavingOptions, compress_saved, compressing_saved_tensors,
                                         recompute_saved)
+
+
+def _warn_compressing_forward_runs_eagerly() -> None:
+    warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward runs eagerly under "
+                  "torch.compile (compressed activation saving is not compiled); the sampled ops of a compute-only "
+                  "plan compile", RuntimeWarning, stacklevel=3)
 
 
 @contextlib.contextmanager
@@ -187,6 +194,16 @@ class ApproxGraphModule(torch.fx.GraphModule):
             self.plan_from(*args, **kwargs)
         if state["saving"] is None or not (state["enabled"] and self.training and torch.is_grad_enabled()):
             return super().__call__(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            _warn_compressing_forward_runs_eagerly()
+        return self._compressing_call(*args, **kwargs)
+
+    @torch._dynamo.disable
+    def _compressing_call(self, *args, **kwargs):
+        # Eager under torch.compile (a graph break here): the pack hooks key saved tensors by storage and the
+        # markers tag graph values as they are made, neither of which survives inductor's rewriting of the
+        # forward and of what it saves.
+        state = self._fxapprox_state
         every = state["config"].activation_replan_every
         state["training_steps"] = state.get("training_steps", 0) + 1
         if every and state["training_steps"] % every == 0 and state["memory_budget"] is not None:
@@ -247,6 +264,83 @@ class ApproxGraphModule(torch.fx.GraphModule):
         result = super().__deepcopy__(memo)
         result._fxapprox_state = copy.deepcopy(self._fxapprox_state, memo)
         return result
+
+    def __reduce__(self):
+        # GraphModule pickles its generated code and re-traces it on load: that would lose this class, its
+        # plan and state, the nodes' analysis meta, and the memory plan's marker nodes (outside a compressing
+        # forward they do nothing, so a tracer records nothing; re-tracing them raised TraceError). The graph
+        # itself pickles (its targets are importable functions, method names and submodule paths): store it.
+        body = self.__dict__.copy()
+        graph = body.pop("_graph")
+        for generated in ("_code", "_lineno_map", "_prologue_start"):
+            body.pop(generated, None)
+        return (_rebuild_approx_graph_module, (body, _graph_records(graph), graph._codegen, type(self).__name__))
+
+
+class _NodeName(str):
+    """A reference to another node inside a pickled node record."""
+
+
+def _graph_records(graph: torch.fx.Graph) -> list[tuple]:
+    """The graph as plain records ``(op, name, target, args, kwargs, type, meta)``, node references by name
+    (a ``Graph`` object refers back to its module, a cycle pickle cannot rebuild)."""
+    def by_name(value):
+        return torch.fx.node.map_arg(value, lambda node: _NodeName(node.name))
+
+    return [(node.op, node.name, node.target, by_name(node.args), by_name(node.kwargs), node.type,
+             _map_memory_formats(dict(node.meta), lambda f: _MemoryFormatName(str(f).rsplit(".", 1)[-1])))
+            for node in graph.nodes]
+
+
+class _MemoryFormatName(str):
+    """A ``torch.memory_format`` by name: ShapeProp's metadata holds them and torch.save's pickle protocol (2)
+    cannot pickle one."""
+
+
+def _map_memory_formats(value, convert, kind=torch.memory_format):
+    if isinstance(value, kind):
+        return convert(value)
+    if isinstance(value, dict):
+        return type(value)((k, _map_memory_formats(v, convert, kind)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):   # a NamedTuple (TensorMetadata)
+        return type(value)(*(_map_memory_formats(v, convert, kind) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_memory_formats(v, convert, kind) for v in value)
+    return value
+
+
+def _graph_from_records(records: list[tuple], codegen) -> torch.fx.Graph:
+    graph = torch.fx.Graph()
+    nodes: dict[str, torch.fx.Node] = {}
+
+    def resolve(value):
+        if isinstance(value, _NodeName):
+            return nodes[value]
+        if isinstance(value, (tuple, list)):
+            return type(value)(resolve(v) for v in value)
+        if isinstance(value, dict):
+            return {k: resolve(v) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(resolve(value.start), resolve(value.stop), resolve(value.step))
+        return value
+
+    for op, name, target, args, kwargs, type_expr, meta in records:
+        node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name, type_expr=type_expr)
+        node.meta = _map_memory_formats(meta, lambda name: getattr(torch, name), kind=_MemoryFormatName)
+        nodes[name] = node
+    graph._codegen = codegen
+    return graph
+
+
+def _rebuild_approx_graph_module(body: dict, records: list[tuple], codegen, class_name: str) -> "ApproxGraphModule":
+    """Unpickle an :class:`ApproxGraphModule` (see ``__reduce__``): the same graph, submodules and state."""
+    root = nn.Module()
+    for key in ("_modules", "_parameters", "_buffers"):
+        root.__dict__[key] = body[key]
+    module = ApproxGraphModule(root, _graph_from_records(records, codegen), class_name=class_name)
+    for key, value in body.items():
+        module.__dict__[key] = value
+    return module
 
 
 def _as_tuple(example_inputs) -> tuple:

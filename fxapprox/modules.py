@@ -249,14 +249,23 @@ def lstm_blocker(lstm: nn.LSTM) -> str | None:
     return None
 
 
-class ApproxLSTM(ApproxOp, nn.LSTM):
+class ApproxLSTM(ApproxOp, nn.RNNBase):
     """``nn.LSTM`` whose training backward keeps ``k`` of ``hidden_size`` gate-gradient columns per gate.
 
     The forward is exact (own implementation while training, ``nn.LSTM``'s otherwise).
     Multiple layers, ``batch_first``, bidirectional, dropout between layers and
     initial states are supported; a ``PackedSequence`` input runs exactly
     (``nn.LSTM``'s kernel) and warns once.
+
+    It is an ``nn.RNNBase`` with ``nn.LSTM``'s methods rather than an ``nn.LSTM`` subclass: torch.compile
+    graph-breaks on every ``nn.RNN``/``nn.GRU``/``nn.LSTM`` instance (unless
+    ``torch._dynamo.config.allow_rnn``), while this one it traces, each layer and direction of the training
+    forward one custom op (:mod:`fxapprox.ops.lstm`).
     """
+
+    get_expected_cell_size = nn.LSTM.get_expected_cell_size
+    check_forward_args = nn.LSTM.check_forward_args
+    permute_hidden = nn.LSTM.permute_hidden
 
     @classmethod
     def from_lstm(cls, lstm: nn.LSTM, spec: SamplingSpec, granularity: str = "coarse") -> "ApproxLSTM":
@@ -285,9 +294,9 @@ class ApproxLSTM(ApproxOp, nn.LSTM):
                 warnings.warn("fxapprox: ApproxLSTM got a PackedSequence; its backward runs exactly (pad the "
                               "sequences for the sparse backward)", RuntimeWarning, stacklevel=2)
                 self._warned_packed = True
-            return super().forward(input, hx)
+            return nn.LSTM.forward(self, input, hx)
         if not (self.approximating and torch.is_grad_enabled()):
-            return super().forward(input, hx)
+            return nn.LSTM.forward(self, input, hx)
         unbatched = input.dim() == 2
         x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
         directions = 2 if self.bidirectional else 1

@@ -5,9 +5,10 @@ Uses ``torch.utils.flop_counter.FlopCounterMode`` on each node in isolation
 really exist (no input gradient for the stem conv, for instance). Writes
 ``flops_fwd`` and ``flops_bwd`` into ``node.meta["fxapprox"]``.
 
-``FlopCounterMode`` has no formula for the oneDNN LSTM kernels that
-``nn.LSTM`` runs on CPU, nor for the oneDNN linear (``mkldnn._linear_pointwise``)
-that our LSTM runs its products with (it counts 0 for both); we register them here.
+``FlopCounterMode`` has no formula for the oneDNN and cuDNN LSTM kernels that
+``nn.LSTM`` runs on CPU and CUDA, nor for the oneDNN linear (``mkldnn._linear_pointwise``),
+and it cannot look inside our sparse-backward LSTM's custom ops (``fxapprox::lstm_layer``);
+it counts 0 for all of them, so we register their formulas here.
 """
 
 from __future__ import annotations
@@ -46,11 +47,54 @@ def _onednn_linear(x_shape, *rest, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(x_shape[:-1]) * weight_shape[0] * weight_shape[1]
 
 
+def _cudnn_rnn_layers_flops(input_shape, weight_shapes, weight_stride0: int) -> int:
+    # cuDNN's flat weight list holds per layer and direction [w_ih, w_hh(, b_ih, b_hh)]: weight_stride0 tensors.
+    steps_times_batch = input_shape[0] * input_shape[1]
+    total = 0
+    for start in range(0, len(weight_shapes), weight_stride0):
+        w_ih, w_hh = weight_shapes[start], weight_shapes[start + 1]
+        total += 2 * steps_times_batch * w_ih[0] * (w_ih[1] + w_hh[1])
+    return total
+
+
+def _cudnn_rnn_forward(input, weight, weight_stride0, weight_buf, hx, cx, mode, *args, out_shape=None,
+                       **kwargs) -> int:
+    return _cudnn_rnn_layers_flops(input, weight, weight_stride0)
+
+
+def _cudnn_rnn_backward(input, weight, weight_stride0, *args, out_shape=None, **kwargs) -> int:
+    # input, hidden and weight gradients: twice the forward GEMMs (as for oneDNN's kernel)
+    return 2 * _cudnn_rnn_layers_flops(input, weight, weight_stride0)
+
+
+def _sparse_lstm_forward(x, h0, c0, w_ih, w_hh, bias, keep_ratio, granularity, reverse, out_shape=None,
+                         **kwargs) -> int:
+    return _rnn_layer_flops(x, w_ih, w_hh)
+
+
+def _sparse_lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, *rest, out_shape=None,
+                          **kwargs) -> int:
+    # The three backward GEMMs run on the kept 4k of the 4H gate columns (coarse); fine-grained masks
+    # entries but keeps the GEMMs full size.
+    from fxapprox.ops.lstm import keep_count
+
+    keep_ratio, granularity = rest[4], rest[5]
+    hidden = w_hh[1]
+    kept = keep_count(keep_ratio, hidden) if granularity == "coarse" else hidden
+    return 2 * _rnn_layer_flops(x, w_ih, w_hh) * kept // hidden
+
+
 def _register_missing_formulas() -> None:
     """Register each formula once, for ops this torch build has (the registry is keyed by overload packet)."""
+    import fxapprox.ops.lstm  # noqa: F401 — defines the fxapprox:: LSTM ops
+
     for namespace, name, formula in (("aten", "mkldnn_rnn_layer", _mkldnn_rnn_forward),
                                      ("aten", "mkldnn_rnn_layer_backward", _mkldnn_rnn_backward),
-                                     ("mkldnn", "_linear_pointwise", _onednn_linear)):
+                                     ("aten", "_cudnn_rnn", _cudnn_rnn_forward),
+                                     ("aten", "_cudnn_rnn_backward", _cudnn_rnn_backward),
+                                     ("mkldnn", "_linear_pointwise", _onednn_linear),
+                                     ("fxapprox", "lstm_layer", _sparse_lstm_forward),
+                                     ("fxapprox", "lstm_layer_backward", _sparse_lstm_backward)):
         op = getattr(getattr(torch.ops, namespace), name, None)
         if op is not None and op not in flop_registry:
             register_flop_formula(op)(formula)

@@ -19,7 +19,8 @@ from torch import nn
 
 from fxapprox.errors import TraceError
 
-RECURRENT_MODULES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN)
+# nn.RNNBase also covers ApproxLSTM (an RNNBase with nn.LSTM's methods, see fxapprox.modules)
+RECURRENT_MODULES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.RNNBase)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 

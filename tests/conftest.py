@@ -8,7 +8,13 @@ def _seed():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run only when asked for with ``-m`` (e.g. ``-m slow``)."""
+    """Tests marked ``cuda`` are skipped without a CUDA device; tests marked ``slow`` run only when asked for
+    with ``-m`` (e.g. ``-m slow``)."""
+    if not torch.cuda.is_available():
+        skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip_cuda)
     if config.getoption("markexpr"):
         return
     skip_slow = pytest.mark.skip(reason="slow: run with `python -m pytest -m slow`")

@@ -23,6 +23,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops._derived import local as _local
 
 
@@ -65,6 +66,9 @@ def attention_from_saved_inputs(query, key, value, attn_mask=None, dropout_p=0.0
     if not compressing or mask_grad:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
                                               is_causal=is_causal, scale=scale, **extra)
+    # cast before the Function, as autocast casts SDPA's arguments: its backward re-runs attention with
+    # autocast off and must see the forward's dtypes
+    query, key, value, attn_mask = cast_like_autocast(query, key, value, attn_mask)
     return _AttentionFromSavedInputs.apply(query, key, value, attn_mask, is_causal, scale, extra)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops._derived import note_derived
 from fxapprox.ops.linear import _keep_count, _nonempty, _scaled, pair_scores, squared_norms
 from fxapprox.ops.sampling import select_pairs
@@ -109,6 +110,7 @@ def sampled_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return F.conv2d(x, weight, bias, stride, padding, dilation, 1)
     if k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    x, weight, bias = cast_like_autocast(x, weight, bias)
     scores = pair_scores_conv2d(x, weight)
     kept, scale = _nonempty(*select_pairs(method, scores, k, random_share), scores)
     return conv2d_with_channels(x, weight, bias, kept, scale, stride, padding, dilation)
@@ -118,6 +120,7 @@ def conv2d_with_channels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          scale: torch.Tensor | None, stride=1, padding=0, dilation=1) -> torch.Tensor:
     """Forward-sampled ``F.conv2d`` on input channels chosen by the caller (``kept`` sorted)."""
     _check(x, weight)
+    x, weight, bias = cast_like_autocast(x, weight, bias)
     return _SampledConv2dFunction.apply(x, weight, bias, kept, scale, _pair(stride), _pair(padding), _pair(dilation))
 
 
@@ -179,5 +182,6 @@ def backward_sampled_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         return F.conv2d(x, weight, bias, *conv_args, 1)
     if not keep_ratio > 0.0:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
+    x, weight, bias = cast_like_autocast(x, weight, bias)
     return _BackwardSampledConv2dFunction.apply(x, weight, bias, conv_args, keep_ratio, method, random_share,
                                                 sample_input_grad)

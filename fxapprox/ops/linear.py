@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops._derived import note_derived
 from fxapprox.ops.sampling import select_pairs
 
@@ -116,6 +117,7 @@ def sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return torch.nn.functional.linear(x, weight, bias)
     if k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    x, weight, bias = cast_like_autocast(x, weight, bias)
     scores = pair_scores_linear(x.reshape(-1, in_features), weight)
     kept, scale = _nonempty(*select_pairs(method, scores, k, random_share), scores)
     return linear_with_pairs(x, weight, bias, kept, scale)
@@ -128,6 +130,7 @@ def linear_with_pairs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     Used where the choice must not depend on the local batch (the DDP hook picks from weights only).
     """
     in_features = _check(x, weight)
+    x, weight, bias = cast_like_autocast(x, weight, bias)
     out = _SampledLinearFunction.apply(x.reshape(-1, in_features), weight, bias, kept, scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -201,6 +204,7 @@ def backward_sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if not keep_ratio > 0.0:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
     lead_shape = x.shape[:-1]
+    x, weight, bias = cast_like_autocast(x, weight, bias)
     out = _BackwardSampledLinearFunction.apply(x.reshape(-1, in_features), weight, bias, keep_ratio, method,
                                                random_share, sample_input_grad)
     return out.reshape(*lead_shape, weight.shape[0])

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from fxapprox.ops._autocast import cast_like_autocast
+
 GRANULARITIES = ("coarse", "fine")
 
 
@@ -81,103 +83,155 @@ def fine_mask_(dz: torch.Tensor, k: int) -> torch.Tensor:
     return gates.mul_(gates.abs() >= threshold).view(rows, width)
 
 
-class _SparseBackwardLSTMLayer(torch.autograd.Function):
-    """One direction of one layer: ``x`` (T, B, I) → all hidden states (T, B, H), h_last, c_last.
+def _lstm_forward(x, h0, c0, w_ih, w_hh, bias, reverse):
+    """One direction of one layer: ``x`` (T, B, I) → all hidden states (T, B, H), h_last, c_last, and what
+    backward reads (gate activations, cell states and their tanh).
 
     ``reverse=True`` runs from the last step to the first (the backward direction of a
     bidirectional LSTM) without copying ``x`` or the outputs into reversed order.
     """
+    steps, batch, _ = x.shape
+    hidden = w_hh.shape[1]
+    gates = _linear(x.reshape(steps * batch, -1), w_ih, bias).view(steps, batch, 4 * hidden)
+    hs = x.new_empty(steps, batch, hidden)
+    cs = x.new_empty(steps, batch, hidden)
+    tanh_cs = x.new_empty(steps, batch, hidden)   # kept for backward instead of recomputed there
+    h, c = h0, c0
+    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+        z = gates[t]
+        z.add_(_linear(h, w_hh, None))
+        z[:, 2 * hidden:3 * hidden].mul_(2)
+        z.sigmoid_()
+        z[:, 2 * hidden:3 * hidden].mul_(2).sub_(1)     # g = tanh(pre) = 2σ(2·pre) − 1
+        i, f, g, o = z.split(hidden, dim=1)
+        c = torch.addcmul(f * c, i, g, out=cs[t])
+        h = torch.mul(o, _tanh_(torch.mul(c, 1, out=tanh_cs[t])), out=hs[t])
+    return hs, h.clone(), c.clone(), gates, cs, tanh_cs
 
-    @staticmethod
-    def forward(ctx, x, h0, c0, w_ih, w_hh, b_ih, b_hh, keep_ratio, granularity, reverse):
-        steps, batch, _ = x.shape
-        hidden = w_hh.shape[1]
-        bias = None if b_ih is None else b_ih + b_hh
-        gates = _linear(x.reshape(steps * batch, -1), w_ih, bias).view(steps, batch, 4 * hidden)
-        hs = x.new_empty(steps, batch, hidden)
-        cs = x.new_empty(steps, batch, hidden)
-        tanh_cs = x.new_empty(steps, batch, hidden)   # kept for backward instead of recomputed there
-        h, c = h0, c0
-        for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-            z = gates[t]
-            z.add_(_linear(h, w_hh, None))
-            z[:, 2 * hidden:3 * hidden].mul_(2)
-            z.sigmoid_()
-            z[:, 2 * hidden:3 * hidden].mul_(2).sub_(1)     # g = tanh(pre) = 2σ(2·pre) − 1
-            i, f, g, o = z.split(hidden, dim=1)
-            c = torch.addcmul(f * c, i, g, out=cs[t])
-            h = torch.mul(o, _tanh_(torch.mul(c, 1, out=tanh_cs[t])), out=hs[t])
-        ctx.save_for_backward(x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs)
-        ctx.options = (keep_ratio, granularity, b_ih is not None, reverse)
-        return hs, h.clone(), c.clone()
 
-    @staticmethod
-    def backward(ctx, grad_hs, grad_h_last, grad_c_last):
-        x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs = ctx.saved_tensors
-        keep_ratio, granularity, has_bias, reverse = ctx.options
-        steps, batch, _ = x.shape
-        hidden = w_hh.shape[1]
-        k = keep_count(keep_ratio, hidden)
-        sparse = granularity == "coarse" and k < hidden
-        dh = grad_h_last.clone() if grad_h_last is not None else x.new_zeros(batch, hidden)
-        dc = grad_c_last.clone() if grad_c_last is not None else x.new_zeros(batch, hidden)
-        first = steps - 1 if reverse else 0
+def _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs, keep_ratio,
+                   granularity, reverse):
+    """Gradients of :func:`_lstm_forward`'s outputs ``hs``, ``h_last``, ``c_last`` (any may be ``None``) with
+    respect to ``x, h0, c0, w_ih, w_hh`` and the summed bias, keeping ``keep_ratio`` of each gate's columns."""
+    steps, batch, _ = x.shape
+    hidden = w_hh.shape[1]
+    k = keep_count(keep_ratio, hidden)
+    sparse = granularity == "coarse" and k < hidden
+    dh = grad_h_last.clone() if grad_h_last is not None else x.new_zeros(batch, hidden)
+    dc = grad_c_last.clone() if grad_c_last is not None else x.new_zeros(batch, hidden)
+    first = steps - 1 if reverse else 0
+    # Sums over every step: in fp32 when autocast made the layer bf16/fp16 (a T-term bf16 sum loses digits).
+    accumulate = torch.float32 if w_ih.dtype in (torch.float16, torch.bfloat16) else w_ih.dtype
 
-        def previous(states, initial, t):
-            return initial if t == first else states[t + 1 if reverse else t - 1]
+    def previous(states, initial, t):
+        return initial if t == first else states[t + 1 if reverse else t - 1]
 
+    if sparse:
+        grad_x = x.new_empty(x.shape)
+        grad_w_ih = torch.zeros(w_ih.shape, dtype=accumulate, device=w_ih.device)
+        grad_w_hh = torch.zeros(w_hh.shape, dtype=accumulate, device=w_hh.device)
+        grad_bias = x.new_zeros(4 * hidden, dtype=accumulate)
+        dz_buffer = x.new_empty(batch, 4 * hidden)
+        dz_kept = x.new_empty(batch, 4 * k)
+        w_hh_kept = w_hh.new_empty(4 * k, hidden)
+        w_ih_kept = w_ih.new_empty(4 * k, w_ih.shape[1])
+    else:
+        dz_all = x.new_empty(steps, batch, 4 * hidden)
+        w_hh_t = w_hh.t().contiguous()
+    for t in (range(steps) if reverse else range(steps - 1, -1, -1)):
+        if grad_hs is not None:
+            dh = dh + grad_hs[t]
+        i, f, g, o = gates[t].split(hidden, dim=1)
+        tanh_c = tanh_cs[t]
+        dz = dz_buffer if sparse else dz_all[t]
+        di, df, dg, do = dz.split(hidden, dim=1)
+        torch.mul(dh, tanh_c, out=do)
+        dc = dc + dh * o * (1 - tanh_c * tanh_c)
+        torch.mul(dc, g, out=di)
+        torch.mul(dc, previous(cs, c0, t), out=df)
+        torch.mul(dc, i, out=dg)
+        dc = dc * f
+        di.mul_(i * (1 - i))
+        df.mul_(f * (1 - f))
+        dg.mul_(1 - g * g)
+        do.mul_(o * (1 - o))
+        if granularity == "fine" and k < hidden:
+            fine_mask_(dz, k)
         if sparse:
-            grad_x = x.new_empty(x.shape)
-            grad_w_ih = torch.zeros_like(w_ih)
-            grad_w_hh = torch.zeros_like(w_hh)
-            grad_bias = x.new_zeros(4 * hidden)
-            dz_buffer = x.new_empty(batch, 4 * hidden)
-            dz_kept = x.new_empty(batch, 4 * k)
-            w_hh_kept = w_hh.new_empty(4 * k, hidden)
-            w_ih_kept = w_ih.new_empty(4 * k, w_ih.shape[1])
+            kept = coarse_columns(dz, k)
+            torch.index_select(dz, 1, kept, out=dz_kept)
+            dh = _matmul(dz_kept, torch.index_select(w_hh, 0, kept, out=w_hh_kept))
+            grad_x[t] = _matmul(dz_kept, torch.index_select(w_ih, 0, kept, out=w_ih_kept))
+            dz_t = dz_kept.t()
+            grad_w_hh.index_add_(0, kept, _matmul(dz_t, previous(hs, h0, t)).to(accumulate))
+            grad_w_ih.index_add_(0, kept, _matmul(dz_t, x[t]).to(accumulate))
+            grad_bias.index_add_(0, kept, dz_kept.sum(0, dtype=accumulate))
         else:
-            dz_all = x.new_empty(steps, batch, 4 * hidden)
-            w_hh_t = w_hh.t().contiguous()
-        for t in (range(steps) if reverse else range(steps - 1, -1, -1)):
-            if grad_hs is not None:
-                dh = dh + grad_hs[t]
-            i, f, g, o = gates[t].split(hidden, dim=1)
-            tanh_c = tanh_cs[t]
-            dz = dz_buffer if sparse else dz_all[t]
-            di, df, dg, do = dz.split(hidden, dim=1)
-            torch.mul(dh, tanh_c, out=do)
-            dc = dc + dh * o * (1 - tanh_c * tanh_c)
-            torch.mul(dc, g, out=di)
-            torch.mul(dc, previous(cs, c0, t), out=df)
-            torch.mul(dc, i, out=dg)
-            dc = dc * f
-            di.mul_(i * (1 - i))
-            df.mul_(f * (1 - f))
-            dg.mul_(1 - g * g)
-            do.mul_(o * (1 - o))
-            if granularity == "fine" and k < hidden:
-                fine_mask_(dz, k)
-            if sparse:
-                kept = coarse_columns(dz, k)
-                torch.index_select(dz, 1, kept, out=dz_kept)
-                dh = _matmul(dz_kept, torch.index_select(w_hh, 0, kept, out=w_hh_kept))
-                grad_x[t] = _matmul(dz_kept, torch.index_select(w_ih, 0, kept, out=w_ih_kept))
-                dz_t = dz_kept.t()
-                grad_w_hh.index_add_(0, kept, _matmul(dz_t, previous(hs, h0, t)))
-                grad_w_ih.index_add_(0, kept, _matmul(dz_t, x[t]))
-                grad_bias.index_add_(0, kept, dz_kept.sum(0))
-            else:
-                dh = _linear(dz, w_hh_t, None)
-        if not sparse:
-            flat_dz = dz_all.view(steps * batch, 4 * hidden)
-            grad_x = _linear(flat_dz, w_ih.t().contiguous(), None).view(x.shape)
-            grad_w_ih = _weight_grad(flat_dz, x.reshape(steps * batch, -1))
-            h_prev = torch.cat([hs[1:], h0.unsqueeze(0)]) if reverse else torch.cat([h0.unsqueeze(0), hs[:-1]])
-            grad_w_hh = _weight_grad(flat_dz, h_prev.view(steps * batch, hidden))
-            grad_bias = flat_dz.sum(0)
-        # Two tensors, not one: autograd may keep a returned gradient as a parameter's .grad.
-        grads_b = (grad_bias, grad_bias.clone()) if has_bias else (None, None)
-        return grad_x, dh, dc, grad_w_ih, grad_w_hh, *grads_b, None, None, None
+            dh = _linear(dz, w_hh_t, None)
+    if not sparse:
+        flat_dz = dz_all.view(steps * batch, 4 * hidden)
+        grad_x = _linear(flat_dz, w_ih.t().contiguous(), None).view(x.shape)
+        grad_w_ih = _weight_grad(flat_dz, x.reshape(steps * batch, -1))
+        h_prev = torch.cat([hs[1:], h0.unsqueeze(0)]) if reverse else torch.cat([h0.unsqueeze(0), hs[:-1]])
+        grad_w_hh = _weight_grad(flat_dz, h_prev.view(steps * batch, hidden))
+        grad_bias = flat_dz.sum(0, dtype=accumulate)
+    return grad_x, dh, dc, grad_w_ih.to(w_ih.dtype), grad_w_hh.to(w_hh.dtype), grad_bias.to(w_ih.dtype)
+
+
+# The layer is two torch.library custom ops, not an autograd.Function: torch.compile keeps each one
+# opaque (one node, no graph break, the time loop not unrolled into the graph: dynamo broke on its
+# strided ``out=`` writes and would unroll T steps), and their FLOPs are registered formulas
+# (passes/flops.py) since FlopCounterMode does not look inside a custom op.
+@torch.library.custom_op("fxapprox::lstm_layer", mutates_args=())
+def _lstm_layer_op(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
+                   bias: torch.Tensor | None, keep_ratio: float, granularity: str,
+                   reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    return _lstm_forward(x, h0, c0, w_ih, w_hh, bias, reverse)
+
+
+@_lstm_layer_op.register_fake
+def _(x, h0, c0, w_ih, w_hh, bias, keep_ratio, granularity, reverse):
+    steps, batch, _ = x.shape
+    hidden = w_hh.shape[1]
+    states = x.new_empty(steps, batch, hidden)
+    return (states, h0.new_empty(batch, hidden), c0.new_empty(batch, hidden), x.new_empty(steps, batch, 4 * hidden),
+            torch.empty_like(states), torch.empty_like(states))
+
+
+@torch.library.custom_op("fxapprox::lstm_layer_backward", mutates_args=())
+def _lstm_layer_backward_op(grad_hs: torch.Tensor | None, grad_h_last: torch.Tensor | None,
+                            grad_c_last: torch.Tensor | None, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
+                            w_ih: torch.Tensor, w_hh: torch.Tensor, gates: torch.Tensor, hs: torch.Tensor,
+                            cs: torch.Tensor, tanh_cs: torch.Tensor, keep_ratio: float, granularity: str,
+                            reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, torch.Tensor]:
+    return _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs,
+                          keep_ratio, granularity, reverse)
+
+
+@_lstm_layer_backward_op.register_fake
+def _(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs, keep_ratio, granularity,
+      reverse):
+    return (torch.empty_like(x), torch.empty_like(h0), torch.empty_like(c0), torch.empty_like(w_ih),
+            torch.empty_like(w_hh), w_ih.new_empty(w_ih.shape[0]))
+
+
+def _lstm_setup_context(ctx, inputs, output):
+    x, h0, c0, w_ih, w_hh, bias, keep_ratio, granularity, reverse = inputs
+    hs, _, _, gates, cs, tanh_cs = output
+    ctx.save_for_backward(x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs)
+    ctx.options = (keep_ratio, granularity, reverse, bias is not None)
+
+
+def _lstm_layer_autograd(ctx, grad_hs, grad_h_last, grad_c_last, *_unused_grads):
+    keep_ratio, granularity, reverse, has_bias = ctx.options
+    grad_x, dh0, dc0, grad_w_ih, grad_w_hh, grad_bias = _lstm_layer_backward_op(
+        grad_hs, grad_h_last, grad_c_last, *ctx.saved_tensors, keep_ratio, granularity, reverse)
+    return grad_x, dh0, dc0, grad_w_ih, grad_w_hh, (grad_bias if has_bias else None), None, None, None
+
+
+_lstm_layer_op.register_autograd(_lstm_layer_autograd, setup_context=_lstm_setup_context)
 
 
 def sparse_backward_lstm_layer(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_ih: torch.Tensor,
@@ -200,5 +254,9 @@ def sparse_backward_lstm_layer(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tens
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if not 0.0 < keep_ratio <= 1.0:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
-    return _SparseBackwardLSTMLayer.apply(x.contiguous(), h0.contiguous(), c0.contiguous(), w_ih, w_hh, b_ih, b_hh,
-                                          keep_ratio, granularity, reverse)
+    # Under autocast the layer runs in its dtype, as nn.LSTM does (a lower-precision op there).
+    x, h0, c0, w_ih, w_hh, b_ih, b_hh = cast_like_autocast(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
+    bias = None if b_ih is None else b_ih + b_hh   # autograd hands the summed bias's gradient to both
+    hs, h_last, c_last, *_ = _lstm_layer_op(x.contiguous(), h0.contiguous(), c0.contiguous(), w_ih, w_hh, bias,
+                                            float(keep_ratio), granularity, bool(reverse))
+    return hs, h_last, c_last

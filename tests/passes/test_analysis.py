@@ -116,3 +116,20 @@ def test_sparse_lstm_flops_are_counted_and_shrink_with_the_keep_ratio():
             outputs.sum().backward()
         assert forward.get_total_flops() == forward_flops
         assert backward.get_total_flops() == round(2 * forward_flops * keep_ratio)
+
+
+def test_cudnn_lstm_flop_formulas_match_the_onednn_ones():
+    """The CUDA (cuDNN) LSTM kernels get the same count as oneDNN's: 2·T·B·4H·(I + H) per layer and direction
+    forward, twice that backward. Checked on the shapes FlopCounterMode hands the formulas (no GPU needed)."""
+    from fxapprox.passes.flops import _cudnn_rnn_backward, _cudnn_rnn_forward
+
+    steps, batch, inputs, hidden = 7, 3, 8, 16
+    lstm = nn.LSTM(inputs, hidden, num_layers=2, bidirectional=True)
+    shapes = [tuple(w.shape) for w in lstm._flat_weights]
+    per_layer = [2 * steps * batch * 4 * hidden * (i + hidden) for i in (inputs, 2 * hidden)]
+    expected = 2 * sum(per_layer)   # two directions
+    assert _cudnn_rnn_forward((steps, batch, inputs), shapes, 4, None, None, None, 2) == expected
+    assert _cudnn_rnn_backward((steps, batch, inputs), shapes, 4) == 2 * expected
+    no_bias = nn.LSTM(inputs, hidden, bias=False)
+    assert _cudnn_rnn_forward((steps, batch, inputs), [tuple(w.shape) for w in no_bias._flat_weights], 2,
+                              None, None, None, 2) == per_layer[0]
