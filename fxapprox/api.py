@@ -35,7 +35,7 @@ from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.rewrite_saved import rewrite_saved_activations
 from fxapprox.passes.saved_bytes import measure_saved_bytes
 from fxapprox.passes.shape_prop import propagate_shapes
-from fxapprox.passes.trace import trace
+from fxapprox.passes.trace import UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
@@ -122,6 +122,9 @@ class ApproxGraphModule(torch.fx.GraphModule):
             with _measurement_sandbox(self):
                 measure_candidates(self, *inputs, config=config, progress=config.progress)
         plan = plan_budget(self, state["budget"], state["method"], config)
+        untraced = tuple(u.to_dict() for u in self.meta.get(UNTRACED_KEY, ()))
+        if untraced:
+            plan = dataclasses.replace(plan, untraced=untraced)
         rewrite_sampled_ops(self, plan)
         memory_budget = state["memory_budget"]
         if config.activation_bits is not None or (memory_budget is not None and memory_budget < 1.0):
@@ -380,10 +383,12 @@ def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, m
         raise TypeError(f"model must be an nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
     inputs = None if example_inputs is None else _as_tuple(example_inputs)
 
-    traced = follow_training_mode(trace(model, config.leaf_modules))
+    traced, counterpart = trace_both_modes(model, config.leaf_modules, strict=config.strict_trace)
+    traced = follow_training_mode(traced, counterpart, training=model.training)
     model_name = type(model).__name__ if not isinstance(model, torch.fx.GraphModule) else \
         getattr(model, "_fxapprox_model_name", type(model).__name__)
     approx = ApproxGraphModule(traced, traced.graph, class_name=model_name)
+    approx.meta.update(traced.meta)
     approx.training = model.training
     approx._fxapprox_setup(budget=budget, memory_budget=memory_budget, method=method, config=config,
                            model_name=model_name)

@@ -203,6 +203,15 @@ def _fidelity(exact: nn.Module, approx, inputs: tuple, loss_fn: Callable,
     return tuple(layers), model_error
 
 
+def _device_synchronizer(inputs: tuple):
+    """Waits for the inputs' accelerator (CUDA, or another torch accelerator) to finish; a no-op on CPU."""
+    device = inputs[0].device
+    if device.type == "cpu":
+        return lambda: None
+    module = getattr(torch, device.type, None)
+    return (lambda: module.synchronize(device)) if hasattr(module, "synchronize") else (lambda: None)
+
+
 def bench(model: nn.Module, example_inputs, *, budget: float = 0.5, memory_budget: float | None = None,
           steps: int = 10, warmup: int = 2, method: str = "auto", config=None, loss_fn: Callable | None = None,
           fidelity_samples: int = 1, progress: bool = True) -> BenchResult:
@@ -240,12 +249,15 @@ def bench(model: nn.Module, example_inputs, *, budget: float = 0.5, memory_budge
     times: dict[str, list[float]] = {"exact": [], "approx": []}
     from rich.progress import Progress
 
+    synchronize = _device_synchronizer(inputs)
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("bench: exact vs approximated steps", total=warmup + steps)
         for repetition in range(warmup + steps):
             for name, step in (("exact", exact_step), ("approx", approx_step)):
+                synchronize()   # a CUDA step returns before its kernels finish: time what ran
                 start = time.perf_counter()
                 step()
+                synchronize()
                 if repetition >= warmup:
                     times[name].append(time.perf_counter() - start)
             bar.advance(task)

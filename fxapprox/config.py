@@ -87,6 +87,9 @@ class ApproxConfig:
 
     - ``leaf_modules``: module qualified names or types the tracer keeps opaque
       (recurrent modules are always leaves).
+    - ``strict_trace``: ``False`` (default): a submodule torch.fx cannot trace is kept
+      whole and exact, and the plan and report say which and why
+      (``Plan.untraced``); ``True``: raise :class:`fxapprox.TraceError` instead.
     - ``overrides``: :class:`LayerOverride` rules; the first matching rule wins.
     - ``policy``: how the budget is spent. ``"measured"`` (default): every
       candidate (method × mode × keep-ratio on ``keep_ratios``) of every layer is
@@ -171,6 +174,7 @@ class ApproxConfig:
     """
 
     leaf_modules: tuple[str | type, ...] = ()
+    strict_trace: bool = False
     overrides: tuple[LayerOverride, ...] = ()
     keep_ratio: float = 0.5
     min_keep_ratio: float = 0.1
@@ -203,6 +207,8 @@ class ApproxConfig:
             if not (isinstance(leaf, str) or (isinstance(leaf, type) and issubclass(leaf, nn.Module))):
                 raise TypeError(f"leaf_modules entries must be str or nn.Module subclasses, got {leaf!r}")
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
+        if not isinstance(self.strict_trace, bool):
+            raise TypeError(f"strict_trace must be a bool, got {self.strict_trace!r}")
         if not isinstance(self.overrides, (tuple, list)):
             raise TypeError(f"overrides must be a tuple of LayerOverride, got {self.overrides!r}")
         for rule in self.overrides:
@@ -290,6 +296,7 @@ class ApproxConfig:
             return value.__name__ if isinstance(value, type) else value
         return {
             "leaf_modules": [name(leaf) for leaf in self.leaf_modules],
+            "strict_trace": self.strict_trace,
             "overrides": [
                 {"pattern": name(r.pattern), "keep_ratio": r.keep_ratio, "method": r.method, "mode": r.mode,
                  "exclude": r.exclude}

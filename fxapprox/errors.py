@@ -15,11 +15,14 @@ class TraceError(FxApproxError):
     or trace the model yourself and pass the ``torch.fx.GraphModule``.
     """
 
-    def __init__(self, message: str, *, module_path: str | None = None,
-                 source_line: str | None = None) -> None:
+    def __init__(self, message: str, *, module_path: str | None = None, source_line: str | None = None,
+                 module_type: str | None = None, reason: str | None = None, location: str | None = None) -> None:
         super().__init__(message)
         self.module_path = module_path
         self.source_line = source_line
+        self.module_type = module_type   #: the failing module's class name
+        self.reason = reason             #: the underlying error, one line
+        self.location = location         #: ``file:line: `code``` of the user line, when found
 
 
 class AnalysisError(FxApproxError, RuntimeError):

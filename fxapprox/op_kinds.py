@@ -234,9 +234,20 @@ def _is_matmul(node: torch.fx.Node) -> bool:
     return node.target in MATMUL_TARGETS or (node.op == "call_method" and node.target == "matmul")
 
 
+def _own_forward_blocker(module: nn.Module, base: type) -> str | None:
+    """A subclass that overrides ``forward`` (timm's ``ScaledStdConv2dSame`` standardises its weight and pads)
+    is not the plain op: the sampled module would drop what its forward adds."""
+    if type(module).forward is base.forward:
+        return None
+    return f"{type(module).__name__} overrides {base.__name__}.forward (not the plain op): stays exact"
+
+
 # -- the kinds -------------------------------------------------------------------------------------------
 class LinearKind(OpKind):
     name = "linear"
+
+    def blocker(self, gm, node, meta):
+        return _own_forward_blocker(gm.get_submodule(node.target), nn.Linear)
 
     def match(self, gm, node):
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.Linear):
@@ -266,7 +277,7 @@ class Conv2dKind(OpKind):
                 "weight_requires_grad": module.weight.requires_grad}
 
     def blocker(self, gm, node, meta):
-        reason = _groups_blocker(meta)
+        reason = _own_forward_blocker(gm.get_submodule(node.target), nn.Conv2d) or _groups_blocker(meta)
         if reason is None and resolve_conv_padding(gm.get_submodule(node.target)) is None:
             reason = "asymmetric 'same' padding (even kernel): not sampled"
         return reason
@@ -400,7 +411,8 @@ class LSTMKind(OpKind):
                 "out_channels": module.hidden_size, "groups": 1, "reduction_size": module.hidden_size}
 
     def blocker(self, gm, node, meta):
-        return lstm_blocker(gm.get_submodule(node.target))
+        module = gm.get_submodule(node.target)
+        return _own_forward_blocker(module, nn.LSTM) or lstm_blocker(module)
 
     def mode_blocker(self, meta, mode, ratio, min_k, min_channels):
         if mode != "backward":

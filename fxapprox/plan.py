@@ -136,6 +136,9 @@ class Plan:
     memory: MemoryPlan | None = None
     #: the measured policy's predicted relative error of the model's gradient (``None`` for other policies)
     predicted_error: float | None = None
+    #: submodules torch.fx could not trace, kept whole and exact: dicts with ``module``, ``module_type``,
+    #: ``reason`` and ``source_line``
+    untraced: tuple[dict, ...] = field(default_factory=tuple)
 
     @property
     def achieved(self) -> float:
@@ -165,6 +168,7 @@ class Plan:
             "layers": [d.to_dict() for d in self.layers],
             "memory": None if self.memory is None else self.memory.to_dict(),
             "predicted_error": self.predicted_error,
+            "untraced": [dict(u) for u in self.untraced],
         }
 
     @classmethod
@@ -176,4 +180,5 @@ class Plan:
                                        "budget_met", "note", "config")}
         memory = data.get("memory")
         return cls(layers=layers, memory=None if memory is None else MemoryPlan.from_dict(memory),
-                   predicted_error=data.get("predicted_error"), **fields)
+                   predicted_error=data.get("predicted_error"),
+                   untraced=tuple(dict(u) for u in data.get("untraced", ())), **fields)

@@ -26,6 +26,13 @@ def _bytes(value: int) -> str:
     return f"{value / 2**20:.2f}" if value else "-"
 
 
+def _untraced_lines(plan: Plan) -> str:
+    lines = [f"\nkept exact, torch.fx could not trace {u['module']!r} ({u['module_type']})"
+             + (f" at {u['source_line']}" if u.get("source_line") else "") + f": {u['reason']}"
+             for u in plan.untraced]
+    return "".join(lines)
+
+
 class Report:
     """What :func:`fxapprox.approximate` planned for a model.
 
@@ -110,7 +117,7 @@ class Report:
                 f"{_flops(plan.total_planned_flops)} | budget asked {plan.budget:g}, achieved "
                 f"{plan.achieved:.3f} ({'met' if plan.budget_met else 'NOT met'}) | "
                 f"{len(plan.approximated)}/{len(plan.layers)} layers sampled ({plan.method}, "
-                f"{plan.config.get('policy', 'flops')} policy){error}\n{plan.note}")
+                f"{plan.config.get('policy', 'flops')} policy){error}\n{plan.note}{_untraced_lines(plan)}")
 
     def __str__(self) -> str:
         buffer = io.StringIO()

@@ -105,3 +105,16 @@ def test_cli_table_and_bad_steps(capsys):
     assert "train step" in out and "conv2" in out
     assert main(["bench", "tests.test_bench:tiny_cnn", "--input-shape", "16,3,8,8", "--steps", "0"]) == 2
     assert "steps" in capsys.readouterr().err
+
+
+def test_bench_synchronises_an_accelerator_around_each_timed_step():
+    from fxapprox.bench import _device_synchronizer
+
+    assert _device_synchronizer((torch.zeros(1),))() is None   # CPU: nothing to wait for
+
+
+@pytest.mark.cuda
+def test_bench_on_cuda():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()
+    result = fxapprox.bench(model, torch.randn(64, 256, device="cuda"), budget=0.5, steps=3, warmup=1)
+    assert result.exact_step_s > 0 and result.approx_step_s > 0

@@ -463,3 +463,13 @@ def test_auto_rebuilds_linear_outputs_only_when_the_budget_needs_them():
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="activation_recompute"):
             ApproxConfig(activation_recompute=bad)
+
+
+@pytest.mark.parametrize("group_size", [64, 256])
+def test_plan_and_runtime_agree_on_the_group_size(batch, group_size):
+    """The plan costs each group's metadata at ``activation_group_size``, as the packer stores it."""
+    x, _ = batch
+    approx = fxapprox.approximate(SmallCNN(), budget=1.0, example_inputs=(x,),
+                                  config=_config(activation_bits=4, activation_group_size=group_size))
+    approx(x).sum().backward()
+    assert approx.saved_activation_stats.stored_bytes == approx.plan.memory.total_planned_bytes

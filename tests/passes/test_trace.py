@@ -26,9 +26,12 @@ class Outer(nn.Module):
         return self.fc(self.inner(x))
 
 
-def test_untraceable_model_names_module_and_line():
+STRICT = fxapprox.ApproxConfig(policy="flops", strict_trace=True)
+
+
+def test_untraceable_model_names_module_and_line_with_strict_trace():
     with pytest.raises(fxapprox.TraceError) as info:
-        fxapprox.approximate(Outer(), 0.5, config=FLOPS)
+        fxapprox.approximate(Outer(), 0.5, config=STRICT)
     message = str(info.value)
     assert "'inner'" in message and "Branchy" in message
     assert "if x.sum() > 0" in message and "test_trace.py" in message
@@ -60,5 +63,89 @@ def test_leaf_by_type_and_recurrent_leaves():
 def test_trace_does_not_touch_the_model():
     model = Outer()
     with pytest.raises(fxapprox.TraceError):
-        trace(model)
+        trace(model, strict=True)
     assert isinstance(model.inner, Branchy)
+    trace(model)
+    assert isinstance(model.inner, Branchy)
+
+
+class Padded(nn.Module):
+    """timm-style 'same' padding: math.ceil on a traced size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3)
+
+    def forward(self, x):
+        import math
+        pad = max((math.ceil(x.shape[-1] / 2) - 1) * 2 + 3 - x.shape[-1], 0)
+        return self.conv(nn.functional.pad(x, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2)))
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(Padded(), nn.ReLU(), Outer2d())
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class Outer2d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Branchy()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(self.inner(x))
+
+
+def test_untraceable_submodules_are_kept_exact_and_reported():
+    model = Nested()
+    x = torch.randn(2, 3, 16, 16)
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,),
+                                  config=fxapprox.ApproxConfig(policy="flops", min_channels=3))
+    untraced = {u["module"]: u for u in approx.plan.untraced}
+    # only the innermost modules that failed become leaves; their traceable siblings are still sampled
+    assert set(untraced) == {"blocks.0", "blocks.2.inner"}
+    assert untraced["blocks.2.inner"]["module_type"] == "Branchy"
+    assert "if x.sum() > 0" in untraced["blocks.2.inner"]["source_line"]
+    assert "math.ceil" in untraced["blocks.0"]["source_line"] or "ceil" in untraced["blocks.0"]["reason"]
+    targets = {n.target for n in approx.graph.nodes if n.op == "call_module"}
+    assert {"blocks.0", "blocks.2.inner", "blocks.2.conv", "stem", "head"} <= targets
+    assert approx.plan.decision("blocks_2_conv").approximate
+    assert "could not trace 'blocks.2.inner' (Branchy)" in str(approx.report)
+    assert fxapprox.plan.Plan.from_dict(approx.plan.to_dict()).untraced == approx.plan.untraced
+    approx.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(approx(x), model.eval()(x))
+    approx.train()(x).sum().backward()
+
+
+def test_a_root_that_cannot_be_traced_still_raises():
+    with pytest.raises(fxapprox.TraceError) as info:
+        fxapprox.approximate(Branchy(), 0.5, config=FLOPS)
+    assert info.value.module_path == "<root>"
+
+
+class StandardisedConv(nn.Conv2d):
+    """A Conv2d subclass with its own forward (timm's ScaledStdConv2d): not the plain op."""
+
+    def forward(self, x):
+        weight = (self.weight - self.weight.mean((1, 2, 3), keepdim=True)) * 0.5
+        return nn.functional.conv2d(x, weight, self.bias, self.stride, self.padding)
+
+
+def test_subclasses_with_their_own_forward_are_not_swapped_for_the_plain_sampled_op():
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), StandardisedConv(32, 32, 3, padding=1))
+    x = torch.randn(2, 3, 8, 8)
+    config = fxapprox.ApproxConfig(policy="flops", leaf_modules=(StandardisedConv,), min_channels=3)
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=config)
+    decision = approx.plan.decision("_1")
+    assert not decision.approximate and "overrides Conv2d.forward" in decision.reason
+    approx.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(approx(x), model.eval()(x))
