@@ -133,3 +133,25 @@ def test_compiled_approximated_model_matches_eager(memory_budget):
         else:   # stochastic rounding draws differ between the eager and compiled packing
             cosine = F.cosine_similarity(grad.flatten(), eager[name].flatten(), dim=0)
             assert cosine > 0.99, (name, float(cosine))
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_torch_export_of_an_approximated_model(mode):
+    """``torch.export``: eval exports the exact graph; training mode keeps the sampled ops (the LSTM as its
+    custom op) and gives the same outputs as the module."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.lstm, self.head = nn.Linear(64, 128), nn.LSTM(128, 64), nn.Linear(64, 10)
+
+        def forward(self, x):
+            return self.head(self.lstm(F.relu(self.fc(x)))[0])
+
+    x = torch.randn(5, 8, 64)
+    approx = fxapprox.approximate(Net(), 0.5, example_inputs=(x,), method="topk",
+                                  config=fxapprox.ApproxConfig(policy="flops", random_share=0.0))
+    getattr(approx, mode)()
+    exported = torch.export.export(approx, (x,))
+    custom = [n for n in exported.graph.nodes if "fxapprox" in str(n.target)]
+    assert bool(custom) == (mode == "train")
+    torch.testing.assert_close(exported.module()(x), approx(x))
