@@ -171,23 +171,9 @@ def _child(zoo: str, name: str, conn) -> None:
 
 def run_isolated(zoo: str, name: str) -> tuple[dict, str | None, str | None]:
     """:func:`check` in a child process (as the torchvision zoo does): ``(result, error, traceback)``."""
-    from tests.test_torchvision_zoo import _forkserver
+    from tests.test_torchvision_zoo import run_in_child
 
-    context = _forkserver()
-    receive, send = context.Pipe(duplex=False)
-    start = time.perf_counter()
-    child = context.Process(target=_child, args=(zoo, name, send), daemon=True)
-    child.start()
-    send.close()
-    try:
-        result, error, trace = receive.recv()
-    except EOFError:
-        result, error, trace = {}, None, None
-    child.join()
-    if error is None and child.exitcode != 0:
-        error = f"child process died with exit code {child.exitcode}"
-    result.setdefault("seconds", time.perf_counter() - start)
-    return result, error, trace
+    return run_in_child(_child, (zoo, name))
 
 
 def _params(names, fast):

@@ -210,10 +210,15 @@ def _forkserver():
 
 def run_isolated(name: str) -> tuple[dict, str | None, str | None]:
     """Run :func:`check_model` in a child process: ``(result, error or None, traceback or None)``."""
+    return run_in_child(_child, (name,))
+
+
+def run_in_child(target, args: tuple) -> tuple[dict, str | None, str | None]:
+    """``target(*args, connection)`` in a forkserver child that sends ``(result, error, traceback)`` back."""
     context = _forkserver()
     receive, send = context.Pipe(duplex=False)
     start = time.perf_counter()
-    child = context.Process(target=_child, args=(name, send), daemon=True)
+    child = context.Process(target=target, args=(*args, send), daemon=True)
     child.start()
     send.close()
     try:
