@@ -43,12 +43,6 @@ from fxapprox.saved_activations import (SavedActivationStats, SavingOptions, com
                                         recompute_saved)
 
 
-def _warn_compressing_forward_runs_eagerly() -> None:
-    warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward runs eagerly under "
-                  "torch.compile (compressed activation saving is not compiled); the sampled ops of a compute-only "
-                  "plan compile", RuntimeWarning, stacklevel=3)
-
-
 @contextlib.contextmanager
 def _measurement_sandbox(gm: torch.fx.GraphModule):
     """Run analysis without side effects: buffers (BN stats), RNG and mode are restored."""
@@ -198,7 +192,9 @@ class ApproxGraphModule(torch.fx.GraphModule):
         if state["saving"] is None or not (state["enabled"] and self.training and torch.is_grad_enabled()):
             return super().__call__(*args, **kwargs)
         if torch.compiler.is_compiling():
-            _warn_compressing_forward_runs_eagerly()
+            warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward runs eagerly under "
+                          "torch.compile (compressed activation saving is not compiled); the sampled ops of a "
+                          "compute-only plan compile", RuntimeWarning, stacklevel=2)
         return self._compressing_call(*args, **kwargs)
 
     @torch._dynamo.disable
@@ -317,15 +313,7 @@ def _graph_from_records(records: list[tuple], codegen) -> torch.fx.Graph:
     nodes: dict[str, torch.fx.Node] = {}
 
     def resolve(value):
-        if isinstance(value, _NodeName):
-            return nodes[value]
-        if isinstance(value, (tuple, list)):
-            return type(value)(resolve(v) for v in value)
-        if isinstance(value, dict):
-            return {k: resolve(v) for k, v in value.items()}
-        if isinstance(value, slice):
-            return slice(resolve(value.start), resolve(value.stop), resolve(value.step))
-        return value
+        return torch.fx.node.map_aggregate(value, lambda v: nodes[v] if isinstance(v, _NodeName) else v)
 
     for op, name, target, args, kwargs, type_expr, meta in records:
         node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name, type_expr=type_expr)

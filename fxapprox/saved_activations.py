@@ -306,7 +306,7 @@ class SavedTensorCompressor:
             self.tag(cast, tag[1], tag[2])
             return
         recipe = self._recipes.get(ptr)
-        if recipe is not None and not recipe[0].expired() and is_dense(source) and source.shape == cast.shape:
+        if recipe is not None and not recipe[0].expired() and is_dense(source):
             self.tag_recompute(cast, source, _CastTo(cast.dtype), (source,), {})
 
     def _live_tag(self, ptr):
@@ -416,7 +416,6 @@ class _FollowAutocastCasts(TorchDispatchMode):
         if func is self._TO_COPY and isinstance(out, torch.Tensor) and out.is_floating_point():
             self.compressor.follow_cast(out, args[0])
         return out
-
 
 
 @contextlib.contextmanager

@@ -97,7 +97,8 @@ def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
 UNTRACED_KEY = "fxapprox_untraced"
 
 
-def trace(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: bool = False) -> torch.fx.GraphModule:
+def trace(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: bool = False, *,
+          copy_model: bool = True) -> torch.fx.GraphModule:
     """Trace ``model`` (which is not modified) into a new ``GraphModule``.
 
     A ``GraphModule`` is taken as already traced and deep-copied as it is. Submodules that fail to trace
@@ -112,7 +113,8 @@ def trace(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: b
         return copy.deepcopy(model)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
-    model = copy.deepcopy(model)
+    if copy_model:   # the GraphModule shares the traced model's submodules: never the caller's
+        model = copy.deepcopy(model)
     untraced: list[UntracedModule] = []
     leaves = tuple(leaf_modules)
     # Each failure names one more module to keep whole; a model has finitely many.
@@ -170,7 +172,7 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
     other_model = copy.deepcopy(model).train(not model.training)
     for _ in range(sum(1 for _ in model.modules()) + 1):
         try:
-            other = trace(other_model, leaves, strict=True)
+            other = trace(other_model, leaves, strict=True, copy_model=False)   # a copy already
         except Exception:   # noqa: BLE001 — traces in this mode only: training flags are told by name
             return gm, None
         mine, theirs = _module_code(gm), _module_code(other)
@@ -186,7 +188,8 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
             untraced.append(UntracedModule(path, module_type, MODE_DEPENDENT, None))
         leaves = leaves + tuple(differing)
         gm = trace(model, leaves, strict)
-        untraced += [u for u in gm.meta[UNTRACED_KEY] if u.module not in {v.module for v in untraced}]
+        untraced += gm.meta[UNTRACED_KEY]   # only new failures: the known ones are leaves now
+        leaves += tuple(u.module for u in gm.meta[UNTRACED_KEY])
     return gm, None  # pragma: no cover
 
 

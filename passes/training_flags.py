@@ -62,7 +62,7 @@ def _key(signature, name: str, node: torch.fx.Node):
     return position if position < len(node.args) else name
 
 
-def _flag_by_name(node: torch.fx.Node, training: bool) -> dict:
+def _flag_by_name(node: torch.fx.Node) -> dict:
     if node.target is F.scaled_dot_product_attention:
         # no flag, a probability: models pass ``dropout_p=self.p if self.training else 0.0`` (Hugging Face
         # traced in training mode bakes in 0.1); attention dropout in eval is never meant
@@ -113,7 +113,7 @@ def follow_training_mode(gm: torch.fx.GraphModule, counterpart: torch.fx.GraphMo
         if other is not None and other.op == node.op and other.target is node.target:
             overrides = _differences(node, other, training)
         else:
-            overrides = _flag_by_name(node, training)
+            overrides = _flag_by_name(node)
         if not overrides:
             continue
         name = f"fxapprox_mode_{node.name}"

@@ -107,10 +107,24 @@ def test_cli_table_and_bad_steps(capsys):
     assert "steps" in capsys.readouterr().err
 
 
-def test_bench_synchronises_an_accelerator_around_each_timed_step():
-    from fxapprox.bench import _device_synchronizer
+def test_bench_synchronises_an_accelerator_around_each_timed_step(monkeypatch):
+    import importlib
+    import types
 
-    assert _device_synchronizer((torch.zeros(1),))() is None   # CPU: nothing to wait for
+    bench_module = importlib.import_module("fxapprox.bench")   # the package's ``bench`` name is the function
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))
+    bench_module._device_synchronizer((on_cuda,))()
+    assert waited == [torch.device("cuda", 0)]
+    bench_module._device_synchronizer((torch.zeros(1),))()   # CPU: nothing to wait for
+    assert len(waited) == 1
+    calls = []
+    monkeypatch.setattr(bench_module, "_device_synchronizer", lambda inputs: lambda: calls.append(1))
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    fxapprox.bench(model, torch.randn(32, 64), budget=0.5, steps=2, warmup=1)
+    assert len(calls) == 2 * 2 * (2 + 1)   # before and after each step, exact and approximated, every round
 
 
 @pytest.mark.cuda

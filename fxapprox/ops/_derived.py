@@ -28,11 +28,16 @@ def note_derived(derived: torch.Tensor, source: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def record_derivations(callback):
-    """``callback(derived, source)`` for every :func:`note_derived` call inside the block."""
-    previous = getattr(local, "derivation_recorder", None)
-    local.derivation_recorder = callback
+def local_setting(name: str, value):
+    """Set the thread-local ``name`` to ``value`` inside the block (restored after, also on error)."""
+    previous = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        local.derivation_recorder = previous
+        setattr(local, name, previous)
+
+
+def record_derivations(callback):
+    """``callback(derived, source)`` for every :func:`note_derived` call inside the block."""
+    return local_setting("derivation_recorder", callback)

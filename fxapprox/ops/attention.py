@@ -18,13 +18,12 @@ log-sum-exp the kernel would keep. Outside a compressing training forward (eval,
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
 from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops._derived import local as _local
+from fxapprox.ops._derived import local_setting
 
 
 class _AttentionFromSavedInputs(torch.autograd.Function):
@@ -72,16 +71,10 @@ def attention_from_saved_inputs(query, key, value, attn_mask=None, dropout_p=0.0
     return _AttentionFromSavedInputs.apply(query, key, value, attn_mask, is_causal, scale, extra)
 
 
-@contextlib.contextmanager
 def as_in_compressed_training():
     """Inside the block :func:`attention_from_saved_inputs` takes its compressed-training path (for the
     analysis passes, which run nodes outside a compressing forward)."""
-    previous = getattr(_local, "analysing_attention", False)
-    _local.analysing_attention = True
-    try:
-        yield
-    finally:
-        _local.analysing_attention = previous
+    return local_setting("analysing_attention", True)
 
 
 __all__ = ["as_in_compressed_training", "attention_from_saved_inputs"]
