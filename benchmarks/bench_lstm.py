@@ -9,14 +9,18 @@ variant's time in the same round (steadier when the machine's speed drifts):
 * ``nn.LSTM`` itself (oneDNN kernel);
 * ``fxapprox dense path``: our implementation at keep-ratio 1 (``fxapprox_always_own``);
 * ``budget 2/3`` and ``budget 0.5``: ``fxapprox.approximate(model, budget)``;
-  the plan's gate keep-ratio is printed (≈0.5 and ≈0.25).
+  the plan's gate keep-ratio is printed (≈0.5 and ≈0.25), each at every ``--block-steps`` (time steps
+  sharing one choice of kept columns; 1 chooses at every step).
+
+Each sparse variant also gets the cosine between its gradients (input and weights, concatenated) and
+the exact ones for the same output gradient: what the block length costs in fidelity.
 
 Also reports the training forward alone (same interleaving), so the step can be
 split into forward and backward, and the share of the step that the per-step
 column selection, gathers and scatters take (torch.profiler self time of
 ``topk``, ``sort``, ``index_select`` and ``index_add_``).
 
-Usage: python benchmarks/bench_lstm.py [--repetitions 15] [--threads N] [--quick]
+Usage: python benchmarks/bench_lstm.py [--repetitions 15] [--threads N] [--block-steps 1,10,50] [--quick]
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ def _step(module, x, grad):
     return step
 
 
+def _gradients(step, module, x) -> torch.Tensor:
+    step()
+    return torch.cat([x.grad.flatten()] + [p.grad.flatten() for p in module.parameters()])
+
+
 def _selection_share(step) -> float:
     from torch.profiler import ProfilerActivity, profile
 
@@ -66,6 +75,8 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads before measuring; the table goes to its own section")
+    parser.add_argument("--block-steps", default="1,10,50",
+                        help="comma-separated lstm_block_steps values for the sparse variants")
     parser.add_argument("--quick", action="store_true", help="small sizes, not written to BENCHMARKS.md")
     args = parser.parse_args()
     if args.threads is not None:
@@ -84,11 +95,19 @@ def main() -> None:
     dense_own.lstm.fxapprox_always_own = True
     variants = {"nn.LSTM": model, "fxapprox dense path (keep 1.0)": dense_own}
     ratios = {"nn.LSTM": 1.0, "fxapprox dense path (keep 1.0)": 1.0}
-    for label, budget in (("budget 2/3", 2 / 3), ("budget 0.5", 0.5)):
-        approx = fxapprox.approximate(copy.deepcopy(model), budget=budget, example_inputs=(x,), config=flops)
-        variants[label] = approx
-        ratios[label] = approx.plan.decision("lstm").keep_ratio
+    blocks = [int(b) for b in args.block_steps.split(",")]
+    for name, budget in (("budget 2/3", 2 / 3), ("budget 0.5", 0.5)):
+        for block in blocks:
+            config = fxapprox.ApproxConfig(policy="flops", lstm_block_steps=block)
+            approx = fxapprox.approximate(copy.deepcopy(model), budget=budget, example_inputs=(x,), config=config)
+            label = f"{name}, block {block}"
+            variants[label] = approx
+            ratios[label] = approx.plan.decision("lstm").keep_ratio
     steps_fn = {name: _step(module, x, grad) for name, module in variants.items()}
+    exact = _gradients(steps_fn["nn.LSTM"], model, x)
+    fidelity = {name: torch.nn.functional.cosine_similarity(_gradients(steps_fn[name], variants[name], x), exact,
+                                                            dim=0).item()
+                for name in variants if ratios[name] < 1}
     forward_fn = {name: (lambda module=module: module(x)) for name, module in variants.items()}
     repetitions = 2 if args.quick else args.repetitions
     samples = interleaved_samples(steps_fn, repetitions, warmup=2)
@@ -102,9 +121,11 @@ def main() -> None:
         rows.append([name, f"{ratios[name]:.3f}", f"{seconds * 1e3:.1f}", f"{forward * 1e3:.1f}",
                      f"{(seconds - forward) * 1e3:.1f}", f"{base / seconds:.2f}×",
                      f"{paired_ratio(samples, 'nn.LSTM', name):.2f}×",
-                     f"{share:.1%}" if ratios[name] < 1 else "-"])
+                     f"{share:.1%}" if ratios[name] < 1 else "-",
+                     f"{fidelity[name]:.3f}" if name in fidelity else "-"])
     headers = ["variant", "gate keep-ratio", "step ms", "forward ms", "step − forward ms", "speed vs nn.LSTM",
-               "paired speed vs nn.LSTM", "select+gather+scatter share"]
+               "paired speed vs nn.LSTM", "select+gather+scatter share",
+               "gradient cosine vs exact"]
     title = f"LSTM {size}→{size}, T={steps}, batch {batch}, fp32, forward + backward"
     print_table(title, headers, rows)
     if not args.quick:

@@ -15,6 +15,7 @@ from torch import nn
 
 from fxapprox._validate import check_choice, check_fraction, check_int, check_positive, check_share
 from fxapprox.modules import MODES
+from fxapprox.ops.lstm import DEFAULT_BLOCK_STEPS
 from fxapprox.ops.quantize import ROUNDINGS
 from fxapprox.ops.sampling import METHODS
 
@@ -138,6 +139,9 @@ class ApproxConfig:
     - ``lstm_granularity``: ``"coarse"`` (default: the same kept gate columns for the
       whole batch at each step, so the backward GEMMs shrink) or ``"fine"`` (each row
       keeps its own top-k; more faithful, not faster) for LSTM sparse backward.
+    - ``lstm_block_steps``: coarse-grained, how many time steps share one choice of kept gate columns
+      (chosen by the block's first step in backward order); the block's input and weight gradients are then
+      one product each. 1 chooses at every step (see :class:`fxapprox.ops.lstm.LSTMBackward`).
 
     Saved activations (used when ``memory_budget < 1`` or ``activation_bits`` is set):
 
@@ -191,6 +195,7 @@ class ApproxConfig:
     noise_horizon: float = 30.0
     progress: bool = False
     lstm_granularity: str = "coarse"
+    lstm_block_steps: int = DEFAULT_BLOCK_STEPS
     activation_bits: int | None = None
     activation_group_size: int = 256
     activation_rounding: str = "stochastic"
@@ -247,6 +252,7 @@ class ApproxConfig:
         if not isinstance(self.progress, bool):
             raise TypeError(f"progress must be a bool, got {self.progress!r}")
         check_choice("lstm_granularity", self.lstm_granularity, ("coarse", "fine"))
+        check_int("lstm_block_steps", self.lstm_block_steps, minimum=1)
         if self.activation_bits is not None:
             check_int("activation_bits", self.activation_bits, minimum=1)
             if self.activation_bits not in ACTIVATION_BITS:
@@ -316,6 +322,7 @@ class ApproxConfig:
             "error_draws": self.error_draws,
             "noise_horizon": self.noise_horizon,
             "lstm_granularity": self.lstm_granularity,
+            "lstm_block_steps": self.lstm_block_steps,
             "activation_bits": self.activation_bits,
             "activation_group_size": self.activation_group_size,
             "activation_rounding": self.activation_rounding,

@@ -19,7 +19,7 @@ from torch import nn
 from fxapprox._validate import check_choice, check_int, check_share
 from fxapprox.ops.conv import backward_sampled_conv2d, pair_scores_conv2d, sampled_conv2d
 from fxapprox.ops.linear import backward_sampled_linear, pair_scores_linear, sampled_linear
-from fxapprox.ops.lstm import GRANULARITIES, sparse_backward_lstm_layer
+from fxapprox.ops.lstm import LSTMBackward, sparse_backward_lstm_layer
 from fxapprox.ops.sampling import METHODS
 
 #: where a layer is sampled: its forward product (all three GEMMs shrink), both backward GEMMs, or only the
@@ -268,7 +268,8 @@ class ApproxLSTM(ApproxOp, nn.RNNBase):
     permute_hidden = nn.LSTM.permute_hidden
 
     @classmethod
-    def from_lstm(cls, lstm: nn.LSTM, spec: SamplingSpec, granularity: str = "coarse") -> "ApproxLSTM":
+    def from_lstm(cls, lstm: nn.LSTM, spec: SamplingSpec, granularity: str = "coarse",
+                  block_steps: int = LSTMBackward.block_steps) -> "ApproxLSTM":
         blocker = lstm_blocker(lstm)
         if blocker is not None:
             raise ValueError(blocker)
@@ -276,7 +277,8 @@ class ApproxLSTM(ApproxOp, nn.RNNBase):
             raise ValueError(f"spec.n={spec.n} does not match hidden_size={lstm.hidden_size}")
         new = _adopt(cls, lstm)
         new._init_approx(spec)
-        new.fxapprox_granularity = check_choice("granularity", granularity, set(GRANULARITIES))
+        options = LSTMBackward(granularity, block_steps)   # validates both
+        new.fxapprox_granularity, new.fxapprox_block_steps = options.granularity, options.block_steps
         new.fxapprox_always_own = False
         new._warned_packed = False
         return new
@@ -315,7 +317,8 @@ class ApproxLSTM(ApproxOp, nn.RNNBase):
                 hs, h, c = sparse_backward_lstm_layer(
                     x, h0[index], c0[index], getattr(self, "weight_ih" + suffix), getattr(self, "weight_hh" + suffix),
                     getattr(self, "bias_ih" + suffix, None), getattr(self, "bias_hh" + suffix, None), keep,
-                    self.fxapprox_granularity, reverse=bool(direction))
+                    self.fxapprox_granularity, reverse=bool(direction),
+                    block_steps=getattr(self, "fxapprox_block_steps", 1))
                 outputs.append(hs)
                 h_n.append(h)
                 c_n.append(c)
@@ -329,7 +332,8 @@ class ApproxLSTM(ApproxOp, nn.RNNBase):
         return output, (h_n, c_n)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", granularity={getattr(self, 'fxapprox_granularity', 'coarse')}"
+        return (super().extra_repr() + f", granularity={getattr(self, 'fxapprox_granularity', 'coarse')}"
+                f", block_steps={getattr(self, 'fxapprox_block_steps', 1)}")
 
 
 APPROX_MODULE_TYPES = (ApproxLinear, ApproxConv2d, ApproxFunctionalLinear, ApproxFunctionalConv2d, ApproxMatmul,

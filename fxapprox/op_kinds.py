@@ -39,6 +39,7 @@ from torch import nn
 
 from fxapprox.modules import (ApproxConv2d, ApproxFunctionalConv2d, ApproxFunctionalLinear, ApproxLinear,
                               ApproxLSTM, ApproxMatmul, SamplingSpec, lstm_blocker, resolve_conv_padding)
+from fxapprox.ops.lstm import LSTMBackward
 
 MATMUL_TARGETS = (torch.matmul, operator.matmul, torch.mm)
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
@@ -154,7 +155,7 @@ class OpKind:
 
     # -- building ------------------------------------------------------------
     def build(self, gm: torch.fx.GraphModule, node: torch.fx.Node, spec: SamplingSpec,
-              lstm_granularity: str = "coarse") -> nn.Module:
+              lstm: LSTMBackward = LSTMBackward()) -> nn.Module:
         """The approximate module for ``node`` (sharing the original's parameters)."""
         raise NotImplementedError
 
@@ -163,18 +164,18 @@ class OpKind:
         return tuple(args)
 
     def approximate_call(self, gm: torch.fx.GraphModule, node: torch.fx.Node, spec: SamplingSpec,
-                         lstm_granularity: str = "coarse") -> Callable:
+                         lstm: LSTMBackward = LSTMBackward()) -> Callable:
         """``f(*args, **kwargs)`` computing the node approximately (training mode) on its own arguments."""
-        module = self.build(gm, node, spec, lstm_granularity).train()
+        module = self.build(gm, node, spec, lstm).train()
 
         def call(*args, **kwargs):
             return module(*self.call_args(node, args, kwargs), **(kwargs if node.op == "call_module" else {}))
         return call
 
     def rewrite(self, gm: torch.fx.GraphModule, node: torch.fx.Node, spec: SamplingSpec,
-                lstm_granularity: str = "coarse") -> None:
+                lstm: LSTMBackward = LSTMBackward()) -> None:
         """Replace ``node`` in ``gm`` by its approximate version (``gm`` is recompiled by the caller)."""
-        module = self.build(gm, node, spec, lstm_granularity)
+        module = self.build(gm, node, spec, lstm)
         if node.op == "call_module":
             gm.add_submodule(node.target, module)
             return
@@ -257,7 +258,7 @@ class LinearKind(OpKind):
                 "out_channels": module.out_features, "groups": 1, "reduction_size": module.in_features,
                 "weight_requires_grad": module.weight.requires_grad}
 
-    def build(self, gm, node, spec, lstm_granularity="coarse"):
+    def build(self, gm, node, spec, lstm=LSTMBackward()):
         return ApproxLinear.from_linear(gm.get_submodule(node.target), spec)
 
     def gradient_operands(self, gm, node):
@@ -282,7 +283,7 @@ class Conv2dKind(OpKind):
             reason = "asymmetric 'same' padding (even kernel): not sampled"
         return reason
 
-    def build(self, gm, node, spec, lstm_granularity="coarse"):
+    def build(self, gm, node, spec, lstm=LSTMBackward()):
         return ApproxConv2d.from_conv2d(gm.get_submodule(node.target), spec)
 
     def gradient_operands(self, gm, node):
@@ -313,7 +314,7 @@ class FunctionalLinearKind(OpKind):
                 "groups": 1, "reduction_size": weight.shape[1], "parameter_side": "right",
                 "weight_requires_grad": weight.requires_grad}
 
-    def build(self, gm, node, spec, lstm_granularity="coarse"):
+    def build(self, gm, node, spec, lstm=LSTMBackward()):
         return ApproxFunctionalLinear(spec)
 
     def call_args(self, node, args, kwargs):
@@ -345,7 +346,7 @@ class FunctionalConv2dKind(OpKind):
             return "functional conv2d with string or traced padding: not sampled"
         return _groups_blocker(meta)
 
-    def build(self, gm, node, spec, lstm_granularity="coarse"):
+    def build(self, gm, node, spec, lstm=LSTMBackward()):
         call = conv2d_call_args(node)
         return ApproxFunctionalConv2d(spec, call["stride"], call["padding"], call["dilation"])
 
@@ -382,7 +383,7 @@ class MatmulKind(OpKind):
             return "backward sampling of W @ x is not offered (rows are the parameter's side)"
         return super().mode_blocker(meta, mode, ratio, min_k, min_channels)
 
-    def build(self, gm, node, spec, lstm_granularity="coarse"):
+    def build(self, gm, node, spec, lstm=LSTMBackward()):
         from fxapprox.passes._meta import fx_meta
 
         return ApproxMatmul(spec, fx_meta(node)["parameter_side"])
@@ -424,8 +425,8 @@ class LSTMKind(OpKind):
         forward, backward = int(meta.get("flops_fwd", 0)), int(meta.get("flops_bwd", 0))
         return round(forward + backward - (1.0 - keep_ratio) * backward)
 
-    def build(self, gm, node, spec, lstm_granularity="coarse"):
-        return ApproxLSTM.from_lstm(gm.get_submodule(node.target), spec, lstm_granularity)
+    def build(self, gm, node, spec, lstm=LSTMBackward()):
+        return ApproxLSTM.from_lstm(gm.get_submodule(node.target), spec, lstm.granularity, lstm.block_steps)
 
     def gradient_operands(self, gm, node):
         module = gm.get_submodule(node.target)

@@ -67,8 +67,7 @@ def _cudnn_rnn_backward(input, weight, weight_stride0, *args, out_shape=None, **
     return 2 * _cudnn_rnn_layers_flops(input, weight, weight_stride0)
 
 
-def _sparse_lstm_forward(x, h0, c0, w_ih, w_hh, bias, keep_ratio, granularity, reverse, out_shape=None,
-                         **kwargs) -> int:
+def _sparse_lstm_forward(x, h0, c0, w_ih, w_hh, *options, out_shape=None, **kwargs) -> int:
     return _rnn_layer_flops(x, w_ih, w_hh)
 
 

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 from fxapprox.config import ApproxConfig
 from fxapprox.modules import SamplingSpec
 from fxapprox.op_kinds import handler_for
+from fxapprox.ops.lstm import LSTMBackward
 from fxapprox.errors import AnalysisError
 from fxapprox.passes._meta import fx_meta
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
@@ -120,7 +121,7 @@ def _timing_key(gm, node, args, kwargs) -> tuple:
             tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
 
 
-def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, granularity: str) -> None:
+def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, lstm: LSTMBackward) -> None:
     meta = fx_meta(node)
     handler = handler_for(meta)
     candidates = [c for c in meta["candidates"] if c["blocked"] is None]
@@ -132,7 +133,7 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
     for candidate in candidates:
         spec = SamplingSpec(method=candidate["method"], k=candidate["k"], n=candidate["n"], mode=candidate["mode"],
                             random_share=config.random_share if candidate["method"] == "topk" else 0.0)
-        fns.append(handler.approximate_call(gm, node, spec, granularity))
+        fns.append(handler.approximate_call(gm, node, spec, lstm))
 
     def exact_fn(*args, **kwargs):
         return call_node(gm, node, args, kwargs)
@@ -209,7 +210,7 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
     except Exception as error:
         raise AnalysisError(f"measuring candidates: the model failed on the example inputs: "
                             f"{type(error).__name__}: {error}") from error
-    granularity = config.lstm_granularity
+    lstm = LSTMBackward(config.lstm_granularity, config.lstm_block_steps)
     timings: dict = {}
     nodes = [n for n in gm.graph.nodes if n in wanted]
     from rich.progress import Progress
@@ -218,6 +219,6 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
         task = bar.add_task("measuring candidates (error and speed)", total=len(nodes))
         for node in nodes:
             _measure_node(gm, node, capture.inputs.pop(node), capture.grads.pop(node, {}), config, timings,
-                          granularity)
+                          lstm)
             bar.advance(task)
     return gm

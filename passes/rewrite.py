@@ -21,6 +21,7 @@ import torch.fx
 
 from fxapprox.modules import SamplingSpec
 from fxapprox.op_kinds import OP_KINDS
+from fxapprox.ops.lstm import LSTMBackward
 from fxapprox.plan import Plan
 
 
@@ -34,7 +35,7 @@ def rewrite_sampled_ops(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphM
         'ApproxLinear'
     """
     by_name = {node.name: node for node in gm.graph.nodes}
-    granularity = plan.config.get("lstm_granularity", "coarse")
+    lstm = LSTMBackward(plan.config.get("lstm_granularity", "coarse"), plan.config.get("lstm_block_steps", 1))
     for decision in plan.approximated:
         handler = OP_KINDS.get(decision.op_kind)
         if handler is None:
@@ -42,7 +43,7 @@ def rewrite_sampled_ops(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphM
                              "which has no rewrite")
         spec = SamplingSpec(method=decision.method, k=decision.k, n=decision.n, mode=decision.mode,
                             random_share=decision.random_share)
-        handler.rewrite(gm, by_name[decision.node], spec, granularity)
+        handler.rewrite(gm, by_name[decision.node], spec, lstm)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -79,10 +79,13 @@ def test_sparse_gradients_are_the_dense_ones_restricted_to_kept_columns():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_sparse_gradients_over_many_steps_equal_autograd_with_masked_gate_gradients(dtype, reverse):
+@pytest.mark.parametrize("block_steps", [1, 3, 7, 20])
+def test_sparse_gradients_over_many_steps_equal_autograd_with_masked_gate_gradients(dtype, reverse, block_steps):
     """T steps: the layer's gradients equal autograd through the exact cells with every step's gate gradient
     restricted (by a hook) to each gate's top-k columns, which exercises the per-step products and the
-    row-scattered weight-gradient accumulation at sizes where oneDNN's blocked kernels run."""
+    row-scattered weight-gradient accumulation at sizes where oneDNN's blocked kernels run. With
+    ``block_steps`` L, the columns are chosen by the first step of each block of L steps in backward order
+    (7 steps in blocks of 3: a partial block last; 20: one block for the whole sequence)."""
     torch.manual_seed(2)
     steps, batch, inputs, hidden, k = 7, 16, 24, 64, 16
     lstm = nn.LSTM(inputs, hidden).to(dtype)
@@ -92,18 +95,23 @@ def test_sparse_gradients_over_many_steps_equal_autograd_with_masked_gate_gradie
     c0 = torch.randn(batch, hidden, dtype=dtype, requires_grad=True)
     grad = torch.randn(steps, batch, hidden, dtype=dtype)
     leaves = [x, h0, c0] + weights
-    hs, _, _ = sparse_backward_lstm_layer(x, h0, c0, *weights, keep_ratio=k / hidden, reverse=reverse)
+    hs, _, _ = sparse_backward_lstm_layer(x, h0, c0, *weights, keep_ratio=k / hidden, reverse=reverse,
+                                          block_steps=block_steps)
     got = torch.autograd.grad((hs * grad).sum(), leaves)
+    kept_by_block = {}
 
-    def keep_top_columns(dz):
+    def keep_top_columns(dz, t):
+        block = t // block_steps if reverse else (steps - 1 - t) // block_steps
+        if block not in kept_by_block:   # hooks run in backward order: the block's first step chooses
+            kept_by_block[block] = coarse_columns(dz, k)
         mask = torch.zeros(4 * hidden, dtype=dtype)
-        mask[coarse_columns(dz, k)] = 1
+        mask[kept_by_block[block]] = 1
         return dz * mask
 
     h, c, outputs = h0, c0, [None] * steps
     for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
         pre = x[t] @ weights[0].t() + weights[2] + h @ weights[1].t() + weights[3]
-        pre.register_hook(keep_top_columns)
+        pre.register_hook(lambda dz, t=t: keep_top_columns(dz, t))
         i, f, g, o = pre.chunk(4, 1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
@@ -112,6 +120,17 @@ def test_sparse_gradients_over_many_steps_equal_autograd_with_masked_gate_gradie
     tolerance = 1e-4 if dtype == torch.float32 else 1e-10
     for name, a, b in zip(["x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh"], got, want):
         torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_block_steps_is_validated_and_reaches_the_module():
+    with pytest.raises(ValueError, match="lstm_block_steps"):
+        fxapprox.ApproxConfig(lstm_block_steps=0)
+    with pytest.raises(TypeError, match="lstm_block_steps"):
+        fxapprox.ApproxConfig(lstm_block_steps=2.5)
+    config = fxapprox.ApproxConfig(policy="flops", lstm_block_steps=4)
+    approx = fxapprox.approximate(CharLM(), 0.6, example_inputs=(torch.randint(0, 40, (10, 2)),), config=config)
+    assert approx.lstm.fxapprox_block_steps == 4
+    assert "block_steps=4" in repr(approx.lstm)
 
 
 def test_coarse_columns_are_each_gates_top_k_by_norm():
