@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads before measuring; the table goes to its own section")
-    parser.add_argument("--block-steps", default="1,10,50",
+    parser.add_argument("--block-steps", default="1,10,64",
                         help="comma-separated lstm_block_steps values for the sparse variants")
     parser.add_argument("--quick", action="store_true", help="small sizes, not written to BENCHMARKS.md")
     args = parser.parse_args()

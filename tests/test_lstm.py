@@ -8,6 +8,7 @@ from torch import nn
 
 import fxapprox
 from fxapprox.modules import ApproxLSTM, SamplingSpec
+from fxapprox.ops import lstm as lstm_ops
 from fxapprox.ops.lstm import coarse_columns, fine_mask_, keep_count, sparse_backward_lstm_layer
 
 #: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
@@ -80,12 +81,18 @@ def test_sparse_gradients_are_the_dense_ones_restricted_to_kept_columns():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("block_steps", [1, 3, 7, 20])
-def test_sparse_gradients_over_many_steps_equal_autograd_with_masked_gate_gradients(dtype, reverse, block_steps):
+@pytest.mark.parametrize("library", ["onednn", "blas"])
+def test_sparse_gradients_over_many_steps_equal_autograd_with_masked_gate_gradients(dtype, reverse, block_steps,
+                                                                                   library, monkeypatch):
     """T steps: the layer's gradients equal autograd through the exact cells with every step's gate gradient
     restricted (by a hook) to each gate's top-k columns, which exercises the per-step products and the
     row-scattered weight-gradient accumulation at sizes where oneDNN's blocked kernels run. With
     ``block_steps`` L, the columns are chosen by the first step of each block of L steps in backward order
-    (7 steps in blocks of 3: a partial block last; 20: one block for the whole sequence)."""
+    (7 steps in blocks of 3: a partial block last; 20: one block for the whole sequence). Both product
+    libraries and both tanh forms run, whichever this CPU would pick."""
+    products = {"onednn": lstm_ops._OneDNNProducts, "blas": lstm_ops._BlasProducts}[library]
+    monkeypatch.setattr(lstm_ops, "_backward_products", lambda tensor: products)
+    monkeypatch.setattr(lstm_ops, "_tanh_is_fast", lambda: library == "blas")
     torch.manual_seed(2)
     steps, batch, inputs, hidden, k = 7, 16, 24, 64, 16
     lstm = nn.LSTM(inputs, hidden).to(dtype)
@@ -120,6 +127,35 @@ def test_sparse_gradients_over_many_steps_equal_autograd_with_masked_gate_gradie
     tolerance = 1e-4 if dtype == torch.float32 else 1e-10
     for name, a, b in zip(["x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh"], got, want):
         torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_compiled_gate_factors_equal_the_eager_ones(reverse):
+    torch.manual_seed(3)
+    steps, batch, hidden = 5, 3, 8
+    gates = torch.rand(steps, batch, 4 * hidden)
+    cs, c0 = torch.randn(steps, batch, hidden), torch.randn(batch, hidden)
+    tanh_cs = torch.tanh(cs)
+    compiled = lstm_ops._factors_and_forget(gates, cs, c0, tanh_cs, reverse)
+    eager = (*lstm_ops._gate_factors(gates, cs, c0, tanh_cs, reverse), gates[..., hidden:2 * hidden])
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+
+
+def test_gate_factors_fall_back_to_eager_when_compiling_fails(monkeypatch):
+    from torch._inductor.exc import InductorError
+
+    def failing(*args):
+        raise InductorError(RuntimeError("no C++ compiler"), "")
+
+    monkeypatch.setattr(lstm_ops, "_compiled_gate_factors", lambda: failing)
+    monkeypatch.setattr(lstm_ops, "_compile_failed", [])
+    gates, cs = torch.rand(4, 2, 4 * 6), torch.randn(4, 2, 6)
+    with pytest.warns(RuntimeWarning, match="eagerly"):
+        factors, dc_from_dh, forget = lstm_ops._factors_and_forget(gates, cs, torch.zeros(2, 6), cs.tanh(), False)
+    torch.testing.assert_close(forget, gates[..., 6:12])
+    torch.testing.assert_close(factors, lstm_ops._gate_factors(gates, cs, torch.zeros(2, 6), cs.tanh(), False)[0])
+    lstm_ops._factors_and_forget(gates, cs, torch.zeros(2, 6), cs.tanh(), False)   # no second attempt, no error
 
 
 def test_block_steps_is_validated_and_reaches_the_module():
