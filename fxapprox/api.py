@@ -27,6 +27,7 @@ from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.channels import annotate_channels
 from fxapprox.passes.compact_pooling import compact_max_pools
 from fxapprox.passes.flops import count_flops
+from fxapprox.passes.input_saving import plan_input_saving
 from fxapprox.passes.measure_candidates import measure_candidates
 from fxapprox.passes.measure_saved import measure_saved_values
 from fxapprox.passes.memory_policy import memory_candidates, plan_memory, resolve_recompute
@@ -115,7 +116,7 @@ class ApproxGraphModule(torch.fx.GraphModule):
         if config.policy == "measured" and state["budget"] < 1.0:
             with _measurement_sandbox(self):
                 measure_candidates(self, *inputs, config=config, progress=config.progress)
-        plan = plan_budget(self, state["budget"], state["method"], config)
+        plan = plan_input_saving(self, plan_budget(self, state["budget"], state["method"], config))
         untraced = tuple(u.to_dict() for u in self.meta.get(UNTRACED_KEY, ()))
         if untraced:
             plan = dataclasses.replace(plan, untraced=untraced)

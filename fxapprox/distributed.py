@@ -82,14 +82,14 @@ class RankSyncedSelection:
         with torch.no_grad():
             scores = self._scores(squared_norms(module.weight, 0), squared_norms(x.reshape(-1, x.shape[-1]), 0))
         kept, scale = self._select(module.fxapprox_spec, scores)
-        return linear_with_pairs(x, module.weight, module.bias, kept, scale)
+        return linear_with_pairs(x, module.weight, module.bias, kept, scale, module.fxapprox_spec.save_input)
 
     def conv2d(self, module: ApproxConv2d, x: torch.Tensor, padding) -> torch.Tensor:
         with torch.no_grad():
             scores = self._scores(squared_norms(module.weight, (0, 2, 3)), channel_squared_norms(x))
         kept, scale = self._select(module.fxapprox_spec, scores)
         return conv2d_with_channels(x, module.weight, module.bias, kept, scale, module.stride, padding,
-                                    module.dilation)
+                                    module.dilation, module.fxapprox_spec.save_input)
 
     def consume(self) -> torch.Tensor | None:
         """The sorted union of the slices kept since the last call (``None``: the layer did not sample)."""

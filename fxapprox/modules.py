@@ -18,7 +18,7 @@ from torch import nn
 
 from fxapprox._validate import check_choice, check_int, check_share
 from fxapprox.ops.conv import backward_sampled_conv2d, pair_scores_conv2d, sampled_conv2d
-from fxapprox.ops.linear import backward_sampled_linear, pair_scores_linear, sampled_linear
+from fxapprox.ops.linear import INPUT_SAVING, backward_sampled_linear, pair_scores_linear, sampled_linear
 from fxapprox.ops.lstm import LSTMBackward, sparse_backward_lstm_layer
 from fxapprox.ops.sampling import METHODS
 
@@ -35,7 +35,9 @@ class SamplingSpec:
     (all three GEMMs shrink); ``mode="backward"`` keeps the forward exact and
     samples both backward GEMMs at keep-ratio ``k / n``; ``mode="weight_grad"``
     samples only the weight-gradient GEMM (over batch rows) at that ratio. ``random_share`` is the
-    share of top-k's slots drawn at random (the guard against starved columns).
+    share of top-k's slots drawn at random (the guard against starved columns). ``save_input`` (forward
+    mode): keep the input itself for backward (``"reference"``) or a copy of its kept columns
+    (``"gathered"``); see :func:`fxapprox.ops.linear.sampled_linear`.
     """
 
     method: str
@@ -43,6 +45,7 @@ class SamplingSpec:
     n: int
     mode: str = "forward"
     random_share: float = 0.0
+    save_input: str = "reference"
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
@@ -52,6 +55,7 @@ class SamplingSpec:
         if self.k > self.n:
             raise ValueError(f"k must be in [1, n={self.n}], got {self.k}")
         check_share("random_share", self.random_share)
+        check_choice("save_input", self.save_input, INPUT_SAVING)
 
     @property
     def keep_ratio(self) -> float:
@@ -93,14 +97,15 @@ def _linear(spec: SamplingSpec, x, weight, bias):
     if spec.mode != "forward":
         return backward_sampled_linear(x, weight, bias, spec.keep_ratio, spec.method, spec.random_share,
                                        sample_input_grad=spec.mode == "backward")
-    return sampled_linear(x, weight, bias, spec.k, spec.method, spec.random_share)
+    return sampled_linear(x, weight, bias, spec.k, spec.method, spec.random_share, spec.save_input)
 
 
 def _conv2d(spec: SamplingSpec, x, weight, bias, stride, padding, dilation):
     if spec.mode != "forward":
         return backward_sampled_conv2d(x, weight, bias, spec.keep_ratio, stride, padding, dilation, spec.method,
                                        spec.random_share, sample_input_grad=spec.mode == "backward")
-    return sampled_conv2d(x, weight, bias, spec.k, stride, padding, dilation, spec.method, spec.random_share)
+    return sampled_conv2d(x, weight, bias, spec.k, stride, padding, dilation, spec.method, spec.random_share,
+                          spec.save_input)
 
 
 def _adopt(cls, original: nn.Module):

@@ -40,6 +40,10 @@ class LayerDecision:
     measured_errors: dict | None = None
     #: every candidate the measured policy considered (method, mode, keep_ratio, flops, errors, speedup, …)
     candidates: list = field(default_factory=list)
+    #: forward sampling: what the layer keeps of its input for backward, ``"reference"`` (the input itself) or
+    #: ``"gathered"`` (a copy of the kept columns), and why (``fxapprox.passes.input_saving``)
+    save_input: str | None = None
+    save_input_reason: str | None = None
 
     @property
     def keep_ratio(self) -> float:

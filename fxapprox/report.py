@@ -26,6 +26,15 @@ def _bytes(value: int) -> str:
     return f"{value / 2**20:.2f}" if value else "-"
 
 
+def _input_saving(decision) -> str:
+    if decision.save_input == "gathered":
+        return "; keeps a copy of its input's kept columns (its only saver)"
+    if decision.save_input == "reference":
+        return "; keeps its input itself (saved anyway)" if "saved anyway" in (decision.save_input_reason or "") \
+            else "; keeps its input itself"
+    return ""
+
+
 def _untraced_lines(plan: Plan) -> str:
     lines = [f"\nkept exact, torch.fx could not trace {u['module']!r} ({u['module_type']})"
              + (f" at {u['source_line']}" if u.get("source_line") else "") + f": {u['reason']}"
@@ -79,8 +88,8 @@ class Report:
                 channels, _flops(d.exact_flops), f"{d.exact_flops / total:.1%}",
                 d.method or "exact", d.mode or "-", f"{d.keep_ratio:.2f}" if d.approximate else "1",
                 _flops(d.planned_flops), "-" if d.predicted_error is None else f"{d.predicted_error:.3f}",
-                "-" if d.measured_speedup is None else f"{d.measured_speedup:.2f}x", _bytes(d.saved_bytes), d.reason,
-                style=style)
+                "-" if d.measured_speedup is None else f"{d.measured_speedup:.2f}x", _bytes(d.saved_bytes),
+                d.reason + _input_saving(d), style=style)
         return table
 
     def _memory_table(self, plain: bool) -> Table | None:
@@ -100,7 +109,7 @@ class Report:
             table.add_row(v.node, "x".join(map(str, v.shape)) if v.shape else "-", v.dtype, ", ".join(v.savers),
                           f"{v.exact_bytes / 2**20:.2f}", bits, f"{v.planned_bytes / 2**20:.2f}", v.reason,
                           style=style)
-        table.add_row("(temporaries)", "-", "-", "batch stats, gathered weights of sampled layers, masks",
+        table.add_row("(temporaries)", "-", "-", "batch stats, kept-column indices of sampled layers, masks",
                       f"{memory.internal_bytes / 2**20:.2f}", "-", "-", "kept (boolean ones bit-packed)",
                       style=None if plain else "dim")
         table.add_row("total", "", "", "", f"{memory.total_exact_bytes / 2**20:.2f}", "",

@@ -8,7 +8,8 @@ The pipeline, one file per stage, results in ``node.meta["fxapprox"]``:
 3. ``rank`` — order sampleable layers, widest and most expensive first
 4. ``candidates`` — blockers and the candidate grid per layer (from the op-kind registry,
    ``fxapprox/op_kinds.py``); ``measure_candidates`` — each candidate's errors and speed on the
-   example batch; ``budget_policy`` — the explicit :class:`fxapprox.plan.Plan`
+   example batch; ``budget_policy`` — the explicit :class:`fxapprox.plan.Plan`; ``input_saving`` — what each
+   forward-sampled layer keeps of its input for backward (the input itself or its kept columns)
 5. ``rewrite`` — swap planned nodes for sampled ops (Linear, Conv2d, LSTM)
 
 With a ``memory_budget`` (compressed saved activations), after the rewrite:
@@ -25,6 +26,7 @@ from fxapprox.passes.channels import annotate_channels
 from fxapprox.passes.compact_pooling import compact_max_pools
 from fxapprox.passes.flops import count_flops
 from fxapprox.passes.graph_view import to_networkx
+from fxapprox.passes.input_saving import plan_input_saving
 from fxapprox.passes.measure_candidates import measure_candidates
 from fxapprox.passes.measure_saved import measure_saved_values
 from fxapprox.passes.memory_policy import plan_memory
@@ -39,6 +41,7 @@ from fxapprox.passes.training_flags import follow_training_mode
 __all__ = [
     "ApproxTracer", "annotate_channels", "compact_max_pools", "count_flops", "enumerate_candidates",
     "follow_training_mode", "measure_candidates", "measure_saved_bytes", "measure_saved_values", "plan_budget",
+    "plan_input_saving",
     "plan_memory", "propagate_shapes", "rank_layers", "rewrite_sampled_ops", "rewrite_saved_activations",
     "to_networkx", "trace",
 ]

@@ -42,7 +42,7 @@ def rewrite_sampled_ops(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphM
             raise ValueError(f"the plan asks to sample {decision.node!r} of kind {decision.op_kind!r}, "
                              "which has no rewrite")
         spec = SamplingSpec(method=decision.method, k=decision.k, n=decision.n, mode=decision.mode,
-                            random_share=decision.random_share)
+                            random_share=decision.random_share, save_input=decision.save_input or "reference")
         handler.rewrite(gm, by_name[decision.node], spec, lstm)
     gm.graph.lint()
     gm.recompile()

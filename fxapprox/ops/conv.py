@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops._derived import note_derived
-from fxapprox.ops.linear import _keep_count, _nonempty, _scaled, pair_scores, squared_norms
+from fxapprox._validate import check_choice
+from fxapprox.ops.linear import INPUT_SAVING, _keep_count, _nonempty, _scaled, pair_scores, squared_norms
 from fxapprox.ops.sampling import select_pairs
 
 
@@ -31,13 +32,19 @@ def _conv_backward(grad_out, x, weight, bias_sizes, conv_args, mask):
 
 
 class _SampledConv2dFunction(torch.autograd.Function):
+    """A convolution over the kept input channels; saves ``weight`` itself and ``x`` itself (``keep_input``)
+    or its kept channels, as :class:`fxapprox.ops.linear._SampledLinearFunction` does."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, kept, scale, stride, padding, dilation):
+    def forward(ctx, x, weight, bias, kept, scale, stride, padding, dilation, keep_input):
         x_kept = _scaled(x.index_select(1, kept), scale, 1)
-        w_kept = weight.index_select(1, kept)
-        out = F.conv2d(x_kept, w_kept, bias, stride, padding, dilation, 1)
-        note_derived(x_kept, x)
-        ctx.save_for_backward(x_kept, w_kept, kept, scale)
+        out = F.conv2d(x_kept, weight.index_select(1, kept), bias, stride, padding, dilation, 1)
+        if keep_input:
+            ctx.save_for_backward(x, weight, kept, scale)
+        else:
+            note_derived(x_kept, x)
+            ctx.save_for_backward(x_kept, weight, kept, scale)
+        ctx.keep_input = keep_input
         ctx.conv_args = (stride, padding, dilation)
         ctx.in_channels = x.shape[1]
         ctx.bias_sizes = None if bias is None else list(bias.shape)
@@ -45,9 +52,11 @@ class _SampledConv2dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_kept, w_kept, kept, scale = ctx.saved_tensors
+        x_saved, weight, kept, scale = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.bias_sizes is not None
+        x_kept = _scaled(x_saved.index_select(1, kept), scale, 1) if ctx.keep_input else x_saved
+        w_kept = weight.index_select(1, kept)
         grad_x_kept, grad_w_kept, grad_b = _conv_backward(
             grad_out.contiguous(), x_kept, w_kept, ctx.bias_sizes, ctx.conv_args, [need_x, need_w, need_b])
         grad_x = grad_w = None
@@ -58,7 +67,7 @@ class _SampledConv2dFunction(torch.autograd.Function):
         if need_w:
             grad_w = grad_w_kept.new_zeros(w_kept.shape[0], ctx.in_channels, *w_kept.shape[2:])
             grad_w.index_copy_(1, kept, grad_w_kept)
-        return grad_x, grad_w, (grad_b if need_b else None), None, None, None, None, None
+        return grad_x, grad_w, (grad_b if need_b else None), None, None, None, None, None, None
 
 
 def channel_squared_norms(x: torch.Tensor) -> torch.Tensor:
@@ -92,11 +101,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 def sampled_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
-                   stride=1, padding=0, dilation=1, method: str = "topk", random_share: float = 0.0) -> torch.Tensor:
+                   stride=1, padding=0, dilation=1, method: str = "topk", random_share: float = 0.0,
+                   save_input: str = "reference") -> torch.Tensor:
     """Approximate ``F.conv2d(x, weight, bias, stride, padding, dilation)`` keeping ``k`` input channels.
 
     ``padding`` must be numeric (resolve ``"same"``/``"valid"`` before calling).
-    With ``k >= in_channels`` this is exactly ``F.conv2d``.
+    With ``k >= in_channels`` this is exactly ``F.conv2d``. ``save_input`` as in
+    :func:`fxapprox.ops.linear.sampled_linear`.
 
     Example::
 
@@ -113,15 +124,18 @@ def sampled_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     x, weight, bias = cast_like_autocast(x, weight, bias)
     scores = pair_scores_conv2d(x, weight)
     kept, scale = _nonempty(*select_pairs(method, scores, k, random_share), scores)
-    return conv2d_with_channels(x, weight, bias, kept, scale, stride, padding, dilation)
+    return conv2d_with_channels(x, weight, bias, kept, scale, stride, padding, dilation, save_input)
 
 
 def conv2d_with_channels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kept: torch.Tensor,
-                         scale: torch.Tensor | None, stride=1, padding=0, dilation=1) -> torch.Tensor:
+                         scale: torch.Tensor | None, stride=1, padding=0, dilation=1,
+                         save_input: str = "reference") -> torch.Tensor:
     """Forward-sampled ``F.conv2d`` on input channels chosen by the caller (``kept`` sorted)."""
     _check(x, weight)
+    check_choice("save_input", save_input, INPUT_SAVING)
     x, weight, bias = cast_like_autocast(x, weight, bias)
-    return _SampledConv2dFunction.apply(x, weight, bias, kept, scale, _pair(stride), _pair(padding), _pair(dilation))
+    return _SampledConv2dFunction.apply(x, weight, bias, kept, scale, _pair(stride), _pair(padding), _pair(dilation),
+                                        save_input == "reference")
 
 
 class _BackwardSampledConv2dFunction(torch.autograd.Function):

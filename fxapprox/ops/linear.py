@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from fxapprox._validate import check_choice
 from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops._derived import note_derived
 from fxapprox.ops.sampling import select_pairs
@@ -40,34 +41,52 @@ def _scaled(tensor: torch.Tensor, scale: torch.Tensor | None, dim: int) -> torch
     return tensor * scale.to(tensor.dtype).view(shape)
 
 
+#: what a forward-sampled layer keeps of its input for backward: the input itself (a reference: free when
+#: another node saves it anyway) or a gathered copy of the kept columns (smaller, when nothing else saves it)
+INPUT_SAVING = ("reference", "gathered")
+
+
 class _SampledLinearFunction(torch.autograd.Function):
-    """``x2d[:, kept] @ weight[:, kept]ᵀ (· scale) + bias`` with sparse-column gradients."""
+    """``x2d[:, kept] @ weight[:, kept]ᵀ (· scale) + bias`` with sparse-column gradients.
+
+    Saves ``weight`` itself (a parameter, or a value the exact op would save whole as well), never a gathered
+    copy: the copy would be ``k/n`` of the weight on top of what the exact layer saves. ``x2d`` is saved as is
+    with ``keep_input``, else its gathered columns. Backward gathers what it needs again."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, kept, scale):
+    def forward(ctx, x2d, weight, bias, kept, scale, keep_input):
         x_kept = _scaled(x2d.index_select(1, kept), scale, 1)
         w_kept = weight.index_select(1, kept)
         out = x_kept @ w_kept.t() if bias is None else torch.addmm(bias, x_kept, w_kept.t())
-        note_derived(x_kept, x2d)
-        ctx.save_for_backward(x_kept, w_kept, kept, scale)
+        if keep_input:
+            ctx.save_for_backward(x2d, weight, kept, scale)
+        else:
+            note_derived(x_kept, x2d)
+            ctx.save_for_backward(x_kept, weight, kept, scale)
+        ctx.keep_input = keep_input
         ctx.in_features = x2d.shape[1]
         ctx.has_bias = bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_kept, w_kept, kept, scale = ctx.saved_tensors
+        x_saved, weight, kept, scale = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out.new_zeros(grad_out.shape[0], ctx.in_features)
-            grad_x.index_copy_(1, kept, _scaled(grad_out @ w_kept, scale, 1))
+            grad_x.index_copy_(1, kept, _scaled(grad_out @ weight.index_select(1, kept), scale, 1))
         if ctx.needs_input_grad[1]:
-            # x_kept already carries the scale, so dW[:, S] = dYᵀ · x_kept.
-            grad_w = grad_out.new_zeros(w_kept.shape[0], ctx.in_features)
+            # x_kept carries the scale, so dW[:, S] = dYᵀ · x_kept.
+            x_kept = _scaled(x_saved.index_select(1, kept), scale, 1) if ctx.keep_input else x_saved
+            grad_w = grad_out.new_zeros(weight.shape[0], ctx.in_features)
             grad_w.index_copy_(1, kept, grad_out.t() @ x_kept)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+#: elements squared at a time by :func:`squared_norms` (a 1 MiB fp32 temporary stays in cache and is reused)
+_NORM_CHUNK = 1 << 18
 
 
 def squared_norms(tensor: torch.Tensor, dim) -> torch.Tensor:
@@ -75,11 +94,29 @@ def squared_norms(tensor: torch.Tensor, dim) -> torch.Tensor:
 
     ``square().sum()`` rather than ``torch.linalg.vector_norm``: on CPU the latter
     reduces over a leading dimension 4–5× slower (measured on a 2048×2048 weight),
-    and the scores only need norms up to a monotone map.
+    and the scores only need norms up to a monotone map. A large tensor is squared in
+    slices along its first dimension: squaring a 2048×2048 weight at once wrote a fresh 16 MiB
+    temporary that took 3.5 ms inside a train step (its pages faulted in anew every step) against
+    ~1 ms for reading the weight.
     """
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    dims = tuple(d % tensor.dim() for d in dims) if tensor.dim() else dims
+    if tensor.dim() == 0 or tensor.numel() <= _NORM_CHUNK or tensor.shape[0] < 2:
+        return _squared_sum(tensor, dims)
+    rows = max(1, _NORM_CHUNK // max(1, tensor[0].numel()))
+    parts = [_squared_sum(piece, dims) for piece in tensor.split(rows, 0)]
+    if 0 in dims:
+        total = parts[0]
+        for part in parts[1:]:
+            total.add_(part)
+        return total
+    return torch.cat(parts, 0)
+
+
+def _squared_sum(tensor: torch.Tensor, dims: tuple) -> torch.Tensor:
     if tensor.dtype in (torch.float16, torch.bfloat16):
         tensor = tensor.float()  # fp16 squares overflow past 256
-    return tensor.square().sum(dim, dtype=torch.float32)
+    return tensor.square().sum(dims, dtype=torch.float32)
 
 
 def pair_scores(a_squared: torch.Tensor, b_squared: torch.Tensor) -> torch.Tensor:
@@ -101,10 +138,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 def sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
-                   method: str = "topk", random_share: float = 0.0) -> torch.Tensor:
+                   method: str = "topk", random_share: float = 0.0, save_input: str = "reference") -> torch.Tensor:
     """Approximate ``F.linear(x, weight, bias)`` keeping ``k`` of ``in_features`` pairs (forward sampling).
 
-    With ``k >= in_features`` this is exactly ``F.linear``.
+    With ``k >= in_features`` this is exactly ``F.linear``. ``save_input``: ``"reference"`` (default) keeps
+    ``x`` itself for backward — no more memory than the exact layer, none at all where something else saves
+    ``x`` anyway; ``"gathered"`` keeps a copy of its kept columns — ``k/n`` of it, less memory where this layer
+    is ``x``'s only saver (the plan chooses per layer, see ``fxapprox.passes.input_saving``).
 
     Example::
 
@@ -120,18 +160,24 @@ def sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     x, weight, bias = cast_like_autocast(x, weight, bias)
     scores = pair_scores_linear(x.reshape(-1, in_features), weight)
     kept, scale = _nonempty(*select_pairs(method, scores, k, random_share), scores)
-    return linear_with_pairs(x, weight, bias, kept, scale)
+    return linear_with_pairs(x, weight, bias, kept, scale, save_input)
 
 
 def linear_with_pairs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kept: torch.Tensor,
-                      scale: torch.Tensor | None) -> torch.Tensor:
+                      scale: torch.Tensor | None, save_input: str = "reference") -> torch.Tensor:
     """Forward-sampled ``F.linear`` on pairs chosen by the caller (``kept`` sorted, ``scale`` or ``None``).
 
     Used where the choice must not depend on the local batch (the DDP hook picks from weights only).
+    ``save_input`` as in :func:`sampled_linear`.
     """
     in_features = _check(x, weight)
+    check_choice("save_input", save_input, INPUT_SAVING)
     x, weight, bias = cast_like_autocast(x, weight, bias)
-    out = _SampledLinearFunction.apply(x.reshape(-1, in_features), weight, bias, kept, scale)
+    x2d = x.reshape(-1, in_features)
+    # Flattening a non-contiguous (batched, transposed) operand may copy it: a new tensor nothing else saves,
+    # whose kept columns are the smaller thing to keep. (A 2-D operand is always viewed, never copied.)
+    keep_input = save_input == "reference" and (x.dim() <= 2 or x.is_contiguous())
+    out = _SampledLinearFunction.apply(x2d, weight, bias, kept, scale, keep_input)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
