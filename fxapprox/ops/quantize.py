@@ -125,8 +125,11 @@ def _kernels(compiled: bool):
     if not compiled:
         return _encode, _decode
     try:
-        encode = torch.compile(_encode, dynamic=True)
-        decode = torch.compile(_decode, dynamic=True)
+        # Static shapes except the number of groups (marked dynamic in _run): with the group size known
+        # the per-group loops are fixed-length vector loops; all dynamic, packing measured 4.5 → 6.2 ms for
+        # a 16×256×40×40 tensor (4 bits).
+        encode = torch.compile(_encode, dynamic=False)
+        decode = torch.compile(_decode, dynamic=False)
     except Exception as error:  # pragma: no cover - depends on the installation
         warnings.warn(f"fxapprox: torch.compile is unavailable ({error}); packing activations eagerly",
                       RuntimeWarning, stacklevel=3)
@@ -142,6 +145,10 @@ def _run(kind: str, compiled: bool, *args):
     index = 0 if kind == "encode" else 1
     if compiled and not _compile_failed:
         try:
+            # the number of groups varies with the tensor; the group size (column noise) does not
+            per_group = (args[0], args[2]) if kind == "encode" else args[:3]
+            for tensor in per_group:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
             with torch.no_grad():  # one grad mode: packing (forward) and unpacking (backward) share kernels
                 return _kernels(True)[index](*args)
         except Exception as error:
