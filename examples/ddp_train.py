@@ -2,12 +2,19 @@
 
 Run with two processes on this machine (gloo, CPU)::
 
-    torchrun --nproc_per_node=2 examples/ddp_train.py            # sampled AllReduce
-    torchrun --nproc_per_node=2 examples/ddp_train.py --plain    # plain DDP, for comparison
+    torchrun --nproc_per_node=2 examples/ddp_train.py                       # sampled AllReduce
+    torchrun --nproc_per_node=2 examples/ddp_train.py --hook sampled-bf16   # ... its slices sent in bf16
+    torchrun --nproc_per_node=2 examples/ddp_train.py --hook plain          # plain DDP, for comparison
+    torchrun --nproc_per_node=2 examples/ddp_train.py --hook powersgd --exact   # what else a user might pick
 
 Each rank trains an MLP on its own shard of scikit-learn's digits (shipped with
-scikit-learn) at ``budget=0.5``; rank 0 prints the test accuracy, the median
-step time and, with the hook, the gradient bytes all-reduced vs plain DDP.
+scikit-learn) at ``budget=0.5`` (``--exact``: the model itself); rank 0 prints the test
+accuracy, the median step time and, with the sampled hook, the gradient bytes all-reduced
+vs plain DDP. ``--hook``: ``plain`` (DDP's all-reduce), ``sampled`` / ``sampled-bf16``
+(:func:`fxapprox.distributed.register_sampled_allreduce`, full precision or bf16), ``bf16``
+(DDP's ``bf16_compress_hook``) or ``powersgd`` (DDP's ``powerSGD_hook``, rank 2, its defaults but
+``start_powerSGD_iter``: a tenth of the training's steps, as its documentation suggests to start with;
+its default of 1000 plain all-reduce steps is longer than this whole training).
 """
 
 from __future__ import annotations
@@ -36,9 +43,33 @@ def digits(rank: int, world: int):
     return (x[shard], y[shard]), (x[test], y[test])
 
 
+HOOKS = ("plain", "sampled", "sampled-bf16", "bf16", "powersgd")
+
+
+def register_hook(ddp: DistributedDataParallel, hook: str, powersgd_start: int = 1_000):
+    """Register the communication ``hook`` (one of :data:`HOOKS`) on ``ddp``; returns its state (or ``None``).
+    ``powersgd_start``: PowerSGD's ``start_powerSGD_iter`` (plain all-reduce before it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook == "sampled":
+        return fxapprox.distributed.register_sampled_allreduce(ddp)
+    if hook == "sampled-bf16":
+        return fxapprox.distributed.register_sampled_allreduce(ddp, dtype=torch.bfloat16)
+    if hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                             start_powerSGD_iter=powersgd_start)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--plain", action="store_true", help="plain DDP all-reduce instead of the sampled one")
+    parser.add_argument("--hook", default="sampled", choices=HOOKS, help="how gradients are all-reduced")
+    parser.add_argument("--plain", action="store_true", help="the same as --hook plain")
+    parser.add_argument("--exact", action="store_true", help="train the model itself, not an approximation")
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64)
@@ -52,13 +83,17 @@ def main() -> None:
     # The FLOP-ranked plan with top-k: identical on every rank whatever its data, and every eligible layer is
     # forward-sampled, so the hook has slices to save. (A measured plan depends on the example batch and on
     # timings: plan it on the same batch everywhere with ApproxConfig(min_speedup=None).)
-    approx = fxapprox.approximate(model, budget=args.budget, example_inputs=(x[:args.batch],), method="topk",
-                                  config=fxapprox.ApproxConfig(policy="flops"))
-    ddp = DistributedDataParallel(approx)
-    state = None if args.plain else fxapprox.distributed.register_sampled_allreduce(ddp)
+    hook = "plain" if args.plain else args.hook
+    if not args.exact:
+        model = fxapprox.approximate(model, budget=args.budget, example_inputs=(x[:args.batch],), method="topk",
+                                     config=fxapprox.ApproxConfig(policy="flops"))
+    elif hook.startswith("sampled"):
+        parser.error("--hook sampled needs an approximated model (drop --exact)")
+    ddp = DistributedDataParallel(model)
+    batches = len(y) // args.batch   # the same number of steps on every rank
+    state = register_hook(ddp, hook, powersgd_start=max(2, args.epochs * batches // 10))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     step_times = []
-    batches = len(y) // args.batch   # the same number of steps on every rank
     for epoch in range(args.epochs):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch * world + rank))
         ddp.train()
@@ -73,9 +108,9 @@ def main() -> None:
     with torch.no_grad():
         accuracy = (ddp(x_test).argmax(1) == y_test).float().mean().item()
     if rank == 0:
-        print(f"{'plain DDP' if args.plain else 'sampled AllReduce'}, budget {args.budget}: test accuracy "
+        print(f"{hook}, {'exact model' if args.exact else f'budget {args.budget}'}: test accuracy "
               f"{accuracy:.3f}, median step {statistics.median(step_times) * 1e3:.2f} ms")
-        if state is not None:
+        if isinstance(state, fxapprox.distributed.SampledAllReduceState):
             print(f"gradient bytes all-reduced: {state.bytes_sent / 2**20:.1f} MiB vs {state.bytes_dense / 2**20:.1f} "
                   f"MiB with plain DDP ({state.sent_ratio:.1%})")
     dist.destroy_process_group()

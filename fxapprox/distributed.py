@@ -108,6 +108,8 @@ class SampledAllReduceState:
     world_size: int
     #: id(parameter) → (its layer's selection, the weight dimension the kept indices index)
     sampled: dict = field(repr=False)
+    #: what the gradients travel in (``None``: the parameters' own dtype)
+    dtype: torch.dtype | None = None
     bytes_sent: int = 0
     bytes_dense: int = 0
     buckets: int = 0
@@ -174,13 +176,19 @@ def _sampled_hook(state: SampledAllReduceState, bucket):
     flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
     sizes = [piece.numel() for piece in pieces]
     del pieces
+    low_precision = state.dtype is not None and state.dtype != flat.dtype
+    if low_precision:
+        # As DDP's bf16_compress_hook: averaged before the sum, so that it cannot overflow the narrow type.
+        flat = flat.to(state.dtype).div_(state.world_size)
     state.bytes_sent += flat.numel() * flat.element_size()
     state.bytes_dense += buffer.numel() * buffer.element_size()
     state.buckets += 1
     future = dist.all_reduce(flat, group=state.process_group, async_op=True).get_future()
 
     def unpack(done) -> torch.Tensor:
-        reduced = done.value()[0].div_(state.world_size)
+        reduced = done.value()[0]
+        # Every rank receives the same reduced values and widens them the same way: replicas stay identical.
+        reduced = reduced.to(buffer.dtype) if low_precision else reduced.div_(state.world_size)
         for write, part in zip(writes, reduced.split(sizes)):
             write(part)
         return buffer
@@ -188,8 +196,21 @@ def _sampled_hook(state: SampledAllReduceState, bucket):
     return future.then(unpack)
 
 
+def _is_fsdp(module) -> bool:
+    """A module wrapped by FSDP: ``FullyShardedDataParallel`` or ``fully_shard`` (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:   # pragma: no cover - builds without distributed
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # torch < 2.6
+        FSDPModule = ()
+    return isinstance(module, (FullyShardedDataParallel, FSDPModule))
+
+
 def register_sampled_allreduce(ddp: nn.parallel.DistributedDataParallel, *, process_group=None,
-                               seed: int | None = None) -> SampledAllReduceState:
+                               seed: int | None = None, dtype: torch.dtype | None = None) -> SampledAllReduceState:
     """Register the sampled-gradient AllReduce communication hook on ``ddp``; returns its state.
 
     ``ddp`` must wrap a module made by :func:`fxapprox.approximate` (already planned: pass
@@ -199,18 +220,33 @@ def register_sampled_allreduce(ddp: nn.parallel.DistributedDataParallel, *, proc
     ``state.bytes_sent`` / ``state.bytes_dense`` count what was all-reduced vs what plain
     DDP would have sent.
 
+    ``dtype`` (e.g. ``torch.bfloat16``): the kept slices, the exact layers' gradients and the
+    input norms travel in that type and are averaged back into the parameters' type, as DDP's
+    ``bf16_compress_hook`` does for plain DDP (half the bytes again; every rank receives and
+    widens the same values, so replicas stay identical). ``None`` (default): full precision.
+
+    DDP only: FSDP (``fully_shard``) reduce-scatters gradient shards, not whole gradients, and
+    an approximated model trains under it with every gradient sent in full.
+
     Example::
 
         >>> approx = fxapprox.approximate(model, budget=0.5, example_inputs=(x,))
         >>> ddp = torch.nn.parallel.DistributedDataParallel(approx)
-        >>> state = fxapprox.distributed.register_sampled_allreduce(ddp)
+        >>> state = fxapprox.distributed.register_sampled_allreduce(ddp, dtype=torch.bfloat16)
         >>> ...  # train as usual
         >>> print(f"sent {state.sent_ratio:.0%} of plain DDP's gradient bytes")
     """
     from fxapprox.api import ApproxGraphModule
 
     if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+        if _is_fsdp(ddp):
+            raise TypeError("register_sampled_allreduce works with DistributedDataParallel only: FSDP "
+                            f"({type(ddp).__name__}) reduce-scatters gradient shards, so there is no whole "
+                            "gradient to send in slices. The approximated model trains under FSDP as it is, with "
+                            "full gradients; use DistributedDataParallel(approx) for the sampled AllReduce")
         raise TypeError(f"ddp must be a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     approx = ddp.module
     if not isinstance(approx, ApproxGraphModule):
         raise TypeError("ddp must wrap a module returned by fxapprox.approximate, got "
@@ -233,6 +269,6 @@ def register_sampled_allreduce(ddp: nn.parallel.DistributedDataParallel, *, proc
             sampled[id(module.weight)] = (module.fxapprox_sync, 1)   # kept indices index weight dim 1 (inputs)
         elif isinstance(module, ApproxOp):
             module.fxapprox_sync = None   # backward sampling and LSTMs: full-size weight gradients
-    state = SampledAllReduceState(group, dist.get_world_size(group), sampled)
+    state = SampledAllReduceState(group, dist.get_world_size(group), sampled, dtype=dtype)
     ddp.register_comm_hook(state, _sampled_hook)
     return state

@@ -56,13 +56,13 @@ def _flat_grads(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in module.parameters()])
 
 
-def _train(rank: int, model: nn.Module, shape: tuple) -> dict:
+def _train(rank: int, model: nn.Module, shape: tuple, dtype: torch.dtype | None = None) -> dict:
     torch.manual_seed(0)
     teacher = copy.deepcopy(model)
     example = torch.randn(*shape)
     approx = fxapprox.approximate(model, budget=0.5, example_inputs=(example,), config=FLOPS)
     ddp = DistributedDataParallel(approx)
-    state = register_sampled_allreduce(ddp)
+    state = register_sampled_allreduce(ddp, dtype=dtype)
     batches = _batches(rank, shape, teacher)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     losses, grad_error = [], None
@@ -78,7 +78,7 @@ def _train(rank: int, model: nn.Module, shape: tuple) -> dict:
         loss = nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         if step == 0:
-            grad_error = float((_flat_grads(approx) - expected).abs().max())
+            grad_error = float(((_flat_grads(approx) - expected).abs() / (expected.abs().max() + 1e-12)).max())
         optimizer.step()
         losses.append(loss.item())
     params = torch.cat([p.detach().reshape(-1) for p in approx.parameters()])
@@ -101,6 +101,12 @@ def _errors(rank: int) -> dict:
         register_sampled_allreduce(_mlp())
     except TypeError as error:
         outcome["not_ddp"] = str(error)
+    try:
+        register_sampled_allreduce(DistributedDataParallel(
+            fxapprox.approximate(_mlp(), budget=0.5, example_inputs=(torch.randn(16, 64),), config=FLOPS)),
+            dtype=torch.int8)
+    except TypeError as error:
+        outcome["bad_dtype"] = str(error)
     torch.manual_seed(0)
     example = torch.randn(16, 64)
     budget = 0.5 if rank == 0 else 0.25   # rank-dependent plans: refused on every rank
@@ -118,6 +124,47 @@ def _errors(rank: int) -> dict:
     return outcome
 
 
+def _fsdp(rank: int) -> dict:
+    """An approximated model trains under FSDP2 (``fully_shard``) on CPU: the plan is kept, eval is exact, and
+    the sampled AllReduce refuses it with a message that says why."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _mlp()
+    teacher = copy.deepcopy(model)
+    approx = fxapprox.approximate(copy.deepcopy(model), budget=0.5, example_inputs=(torch.randn(32, 64),),
+                                  config=FLOPS)
+    plan = approx.plan.to_dict()
+    fully_shard(approx, mesh=init_device_mesh("cpu", (WORLD,)))
+    outcome = {"plan_kept": approx.plan.to_dict() == plan,
+               "approximating": sum(m.approximating for m in approx.modules()
+                                    if isinstance(m, fxapprox.modules.APPROX_MODULE_TYPES))}
+    optimizer = torch.optim.SGD(approx.parameters(), lr=0.1, momentum=0.9)
+    batches = _batches(rank, (32, 64), teacher)
+    losses = []
+    for step in range(STEPS):
+        x, y = batches[step % len(batches)]
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(approx(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    outcome["losses"] = losses
+    full = {name: tensor.full_tensor() for name, tensor in approx.state_dict().items()}
+    model.load_state_dict(full)
+    x = torch.randn(16, 64)
+    approx.eval()
+    model.eval()
+    with torch.no_grad():
+        outcome["eval_exact"] = float((approx(x) - model(x)).abs().max())
+    try:
+        register_sampled_allreduce(approx)
+    except TypeError as error:
+        outcome["refused"] = str(error)
+    return outcome
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -126,7 +173,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         results = {"mlp": _train(rank, _mlp(), (32, 64))}
         torch.manual_seed(0)
         results["cnn"] = _train(rank, SmallCNN(), (8, 3, 16, 16))
+        torch.manual_seed(0)
+        results["mlp bf16"] = _train(rank, _mlp(), (32, 64), dtype=torch.bfloat16)
         results["errors"] = _errors(rank)
+        results["fsdp"] = _fsdp(rank)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -145,7 +195,7 @@ def results(tmp_path_factory):
     return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", "cnn", "mlp bf16"])
 def test_replicas_stay_identical_and_learn(results, model):
     for rank_result in results:
         run = rank_result[model]
@@ -169,6 +219,22 @@ def test_hook_result_is_the_average_of_local_gradients(results, model):
         assert rank_result[model]["grad_error"] < 1e-5
 
 
+def test_bf16_transport_halves_the_bytes_again_and_stays_close_to_the_average(results):
+    for rank_result in results:
+        full, bf16 = rank_result["mlp"], rank_result["mlp bf16"]
+        assert bf16["bytes_sent"] * 2 == full["bytes_sent"]          # the same elements, half the width each
+        assert 1e-5 < bf16["grad_error"] < 2 ** -7   # bf16's rounding: visible, within its 8-bit mantissa
+
+
+def test_an_approximated_model_trains_under_fsdp(results):
+    for rank_result in results:
+        fsdp = rank_result["fsdp"]
+        assert fsdp["plan_kept"] and fsdp["approximating"] >= 2
+        assert sum(fsdp["losses"][-3:]) < 0.85 * sum(fsdp["losses"][:3]), fsdp["losses"]
+        assert fsdp["eval_exact"] < 1e-5
+        assert "DistributedDataParallel" in fsdp["refused"] and "FSDP" in fsdp["refused"]
+
+
 def test_clear_errors(results):
     for rank_result in results:
         errors = rank_result["errors"]
@@ -176,3 +242,4 @@ def test_clear_errors(results):
         assert "DistributedDataParallel" in errors["not_ddp"]
         assert "plans differ" in errors["plans_differ"] and "[0]" in errors["plans_differ"]
         assert "find_unused_parameters" in errors["find_unused"]
+        assert "dtype" in errors["bad_dtype"] and "floating-point" in errors["bad_dtype"]
