@@ -12,6 +12,8 @@ namespace's loopback, both ranks, TCP headers included) for:
 
 * the exact model: plain DDP, DDP's ``bf16_compress_hook``, DDP's ``powerSGD_hook`` (rank 2, its defaults but
   ``start_powerSGD_iter=2``, so that the timed steps are compressed);
+  every variant with all gradients in one DDP bucket (``powerSGD_hook`` needs that under gloo: with several
+  buckets its chained collectives interleave differently on the two ranks and gloo aborts);
 * ``fxapprox.approximate(model, 0.5)`` (FLOP-ranked plan, top-k): plain DDP, the sampled AllReduce
   (``register_sampled_allreduce``) and the sampled AllReduce with ``dtype=torch.bfloat16``.
 
@@ -33,7 +35,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
+ONE_BUCKET_MB = 512
 VARIANTS = [("exact", "plain"), ("exact", "bf16"), ("exact", "powersgd"),
             ("budget 0.5", "plain"), ("budget 0.5", "sampled"), ("budget 0.5", "sampled-bf16")]
 HOOK_NAMES = {"plain": "plain DDP", "bf16": "bf16_compress_hook", "powersgd": "powerSGD_hook (rank 2)",
@@ -82,7 +84,10 @@ def rate_limited_namespace(rate: str):
              "burst", str(burst), "latency", "100ms")
         yield name
     finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        deleted = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
+        if deleted.returncode:
+            print(f"bench_ddp_link: could not delete network namespace {name}: {deleted.stderr.strip()}; "
+                  f"delete it with `ip netns del {name}`", file=sys.stderr)
 
 
 def link_bytes() -> int:
@@ -101,6 +106,14 @@ def _in_namespace(namespace: str, command: list[str], env: dict) -> list[subproc
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(WORLD)]
 
 
+def _stop(processes) -> None:
+    """Kill the ranks and wait for them, so that nothing is left in the namespace when it is deleted."""
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.wait()
+
+
 def _wait(processes, timeout: float) -> list[str]:
     outputs = []
     deadline = time.monotonic() + timeout
@@ -108,12 +121,10 @@ def _wait(processes, timeout: float) -> list[str]:
         try:
             out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
+            _stop(processes)
             raise RuntimeError(f"a rank ran past {timeout:.0f} s")
         if process.returncode:
-            for other in processes:
-                other.kill()
+            _stop(processes)
             raise RuntimeError(f"a rank failed (exit {process.returncode}):\n{err[-3000:]}")
         outputs.append(out)
     return outputs
@@ -139,12 +150,17 @@ def _child(rank: int, port: int, repetitions: int, namespace: str, out: str) -> 
     generator = torch.Generator().manual_seed(10 + rank)
     x, y = torch.randn(32, 1024, generator=generator), torch.randint(0, 10, (32,), generator=generator)
     steps = {}
+    only = os.environ.get("FXAPPROX_LINK_ONLY")   # debugging: a comma-separated subset of the hooks
     for model_kind, hook in VARIANTS:
+        if only and hook not in only.split(","):
+            continue
         module = copy.deepcopy(model)
         if model_kind != "exact":
             module = fxapprox.approximate(module, 0.5, example_inputs=(example,), method="topk",
                                           config=fxapprox.ApproxConfig(policy="flops"))
-        ddp = DistributedDataParallel(module)
+        # One bucket for every variant: powerSGD_hook chains collectives in callbacks, which with several buckets
+        # interleave differently on the two gloo ranks (a collective mismatch), and all variants alike.
+        ddp = DistributedDataParallel(module, bucket_cap_mb=ONE_BUCKET_MB)
         register_hook(ddp, hook, powersgd_start=2)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
 

@@ -113,7 +113,8 @@ def main(argv=None) -> dict:
 
     torch.manual_seed(0)
     base = CharLM(len(vocab), hidden=args.hidden)
-    config = fxapprox.ApproxConfig(policy="flops", lstm_block_steps=args.block_steps, overrides=(fxapprox.LayerOverride("decode", exclude=True),
+    config = fxapprox.ApproxConfig(policy="flops", lstm_block_steps=args.block_steps,
+                                   overrides=(fxapprox.LayerOverride("decode", exclude=True),
                                               fxapprox.LayerOverride("embed", exclude=True)))
     example = (next(windows(train_data, args.seq, args.batch, torch.Generator().manual_seed(3), batch_first=False))[0],)
     results = {}

@@ -89,7 +89,9 @@ def main() -> None:
                                      config=fxapprox.ApproxConfig(policy="flops"))
     elif hook.startswith("sampled"):
         parser.error("--hook sampled needs an approximated model (drop --exact)")
-    ddp = DistributedDataParallel(model)
+    # powerSGD_hook chains collectives in callbacks; under gloo, several buckets' chains interleave differently on
+    # different ranks (a collective mismatch), so it gets all gradients in one bucket.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=512) if hook == "powersgd" else DistributedDataParallel(model)
     batches = len(y) // args.batch   # the same number of steps on every rank
     state = register_hook(ddp, hook, powersgd_start=max(2, args.epochs * batches // 10))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from fxapprox.ops._autocast import cast_like_autocast
-from fxapprox.ops._derived import note_derived
 from fxapprox._validate import check_choice
-from fxapprox.ops.linear import INPUT_SAVING, _keep_count, _nonempty, _scaled, pair_scores, squared_norms
+from fxapprox.ops.linear import (INPUT_SAVING, _keep_count, _nonempty, _scaled, kept_input, pair_scores,
+                                 save_sampled_operands, squared_norms)
 from fxapprox.ops.sampling import select_pairs
 
 
@@ -39,12 +39,7 @@ class _SampledConv2dFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, kept, scale, stride, padding, dilation, keep_input):
         x_kept = _scaled(x.index_select(1, kept), scale, 1)
         out = F.conv2d(x_kept, weight.index_select(1, kept), bias, stride, padding, dilation, 1)
-        if keep_input:
-            ctx.save_for_backward(x, weight, kept, scale)
-        else:
-            note_derived(x_kept, x)
-            ctx.save_for_backward(x_kept, weight, kept, scale)
-        ctx.keep_input = keep_input
+        save_sampled_operands(ctx, x, x_kept, weight, kept, scale, keep_input)
         ctx.conv_args = (stride, padding, dilation)
         ctx.in_channels = x.shape[1]
         ctx.bias_sizes = None if bias is None else list(bias.shape)
@@ -55,7 +50,7 @@ class _SampledConv2dFunction(torch.autograd.Function):
         x_saved, weight, kept, scale = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.bias_sizes is not None
-        x_kept = _scaled(x_saved.index_select(1, kept), scale, 1) if ctx.keep_input else x_saved
+        x_kept = kept_input(ctx, x_saved, kept, scale)
         w_kept = weight.index_select(1, kept)
         grad_x_kept, grad_w_kept, grad_b = _conv_backward(
             grad_out.contiguous(), x_kept, w_kept, ctx.bias_sizes, ctx.conv_args, [need_x, need_w, need_b])

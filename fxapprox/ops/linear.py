@@ -46,6 +46,22 @@ def _scaled(tensor: torch.Tensor, scale: torch.Tensor | None, dim: int) -> torch
 INPUT_SAVING = ("reference", "gathered")
 
 
+def save_sampled_operands(ctx, x, x_kept, weight, kept, scale, keep_input: bool) -> None:
+    """Save what a forward-sampled op's backward needs: ``x`` itself (``keep_input``) or its gathered (and scaled)
+    ``x_kept``, the weight itself, the kept indices and the scale."""
+    if keep_input:
+        ctx.save_for_backward(x, weight, kept, scale)
+    else:
+        note_derived(x_kept, x)
+        ctx.save_for_backward(x_kept, weight, kept, scale)
+    ctx.keep_input = keep_input
+
+
+def kept_input(ctx, x_saved: torch.Tensor, kept: torch.Tensor, scale) -> torch.Tensor:
+    """The gathered, scaled input from what :func:`save_sampled_operands` saved."""
+    return _scaled(x_saved.index_select(1, kept), scale, 1) if ctx.keep_input else x_saved
+
+
 class _SampledLinearFunction(torch.autograd.Function):
     """``x2d[:, kept] @ weight[:, kept]ᵀ (· scale) + bias`` with sparse-column gradients.
 
@@ -58,12 +74,7 @@ class _SampledLinearFunction(torch.autograd.Function):
         x_kept = _scaled(x2d.index_select(1, kept), scale, 1)
         w_kept = weight.index_select(1, kept)
         out = x_kept @ w_kept.t() if bias is None else torch.addmm(bias, x_kept, w_kept.t())
-        if keep_input:
-            ctx.save_for_backward(x2d, weight, kept, scale)
-        else:
-            note_derived(x_kept, x2d)
-            ctx.save_for_backward(x_kept, weight, kept, scale)
-        ctx.keep_input = keep_input
+        save_sampled_operands(ctx, x2d, x_kept, weight, kept, scale, keep_input)
         ctx.in_features = x2d.shape[1]
         ctx.has_bias = bias is not None
         return out
@@ -77,7 +88,7 @@ class _SampledLinearFunction(torch.autograd.Function):
             grad_x.index_copy_(1, kept, _scaled(grad_out @ weight.index_select(1, kept), scale, 1))
         if ctx.needs_input_grad[1]:
             # x_kept carries the scale, so dW[:, S] = dYᵀ · x_kept.
-            x_kept = _scaled(x_saved.index_select(1, kept), scale, 1) if ctx.keep_input else x_saved
+            x_kept = kept_input(ctx, x_saved, kept, scale)
             grad_w = grad_out.new_zeros(weight.shape[0], ctx.in_features)
             grad_w.index_copy_(1, kept, grad_out.t() @ x_kept)
         if ctx.has_bias and ctx.needs_input_grad[2]:

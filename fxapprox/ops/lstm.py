@@ -429,7 +429,7 @@ def _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gat
 def _lstm_layer_op(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
                    bias: torch.Tensor | None, keep_ratio: float, granularity: str, reverse: bool,
                    block_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
+                                              torch.Tensor]:
     return _lstm_forward(x, h0, c0, w_ih, w_hh, bias, reverse)
 
 
@@ -447,8 +447,9 @@ def _lstm_layer_backward_op(grad_hs: torch.Tensor | None, grad_h_last: torch.Ten
                             grad_c_last: torch.Tensor | None, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
                             w_ih: torch.Tensor, w_hh: torch.Tensor, gates: torch.Tensor, hs: torch.Tensor,
                             cs: torch.Tensor, tanh_cs: torch.Tensor, keep_ratio: float, granularity: str,
-                            reverse: bool, block_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    torch.Tensor, torch.Tensor]:
+                            reverse: bool, block_steps: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor]:
     return _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs,
                           keep_ratio, granularity, reverse, block_steps)
 
