@@ -381,24 +381,35 @@ def _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gat
         w_hh_used = products.step_weight(w_hh, batch, steps)
     # Blocks in backward order: [T−L, T), [T−2L, T−L), … (reverse: [0, L), [L, 2L), …).
     starts = range(0, steps, block_steps) if reverse else range(steps - block_steps, -block_steps, -block_steps)
+    # Every step's views made up front (one unbind each), as in the forward; dh and dc are fresh tensors
+    # (clones, zeros or product outputs), so they are updated in place.
+    grad_steps = grad_hs.unbind(0) if grad_hs is not None else None
+    dc_gain_steps, forget_steps = dc_from_dh.unbind(0), forget.unbind(0)
+    factor_ifg_steps = factors.view(steps, batch, 4, hidden)[:, :, :3].unbind(0)
+    factor_o_steps = factors[..., 3 * hidden:].unbind(0)
+    dz_rows = dz_block.unbind(0)
+    gate_views = ([(dz_full.view(batch, 4, hidden)[:, :3], dz_full.view(batch, 4, hidden)[:, 3])] * block_steps
+                  if sparse else [(row.view(batch, 4, hidden)[:, :3], row.view(batch, 4, hidden)[:, 3])
+                                  for row in dz_rows])
+    dc_column = dc.unsqueeze(1)
     for start in starts:
         lo, hi = max(start, 0), min(start + block_steps, steps)
         for t in (range(lo, hi) if reverse else range(hi - 1, lo - 1, -1)):
-            if grad_hs is not None:
-                dh = dh + grad_hs[t]
-            dc.addcmul_(dh, dc_from_dh[t])
-            dz = dz_full if sparse else dz_block[t - lo]
-            gated = dz.view(batch, 4, hidden)
-            torch.mul(dc.unsqueeze(1), factors[t].view(batch, 4, hidden)[:, :3], out=gated[:, :3])
-            torch.mul(dh, factors[t, :, 3 * hidden:], out=gated[:, 3])
-            dc.mul_(forget[t])
+            if grad_steps is not None:
+                dh.add_(grad_steps[t])
+            dc.addcmul_(dh, dc_gain_steps[t])
+            gated_ifg, gated_o = gate_views[t - lo]
+            torch.mul(dc_column, factor_ifg_steps[t], out=gated_ifg)
+            torch.mul(dh, factor_o_steps[t], out=gated_o)
+            dc.mul_(forget_steps[t])
+            dz = dz_full if sparse else dz_rows[t - lo]
             if granularity == "fine" and k < hidden:
                 fine_mask_(dz, k)
             if sparse:
                 if t == (lo if reverse else hi - 1):
                     kept = coarse_columns(dz, k)
                     w_hh_used = products.step_weight(torch.index_select(w_hh, 0, kept), batch, hi - lo)
-                dz = torch.index_select(dz, 1, kept, out=dz_block[t - lo])
+                dz = torch.index_select(dz, 1, kept, out=dz_rows[t - lo])
             dh = products.step(dz, w_hh_used)
         rows = (hi - lo) * batch
         flat_dz = dz_block[:hi - lo].view(rows, width)
