@@ -13,12 +13,15 @@ only ``k`` of the ``H`` columns makes every one of them a smaller dense GEMM:
 
 The forward is exact and computes the same values as ``nn.LSTM`` (to float
 rounding): the input projection of all steps is one GEMM, each step adds
-``h_{t−1}·W_hhᵀ`` in place and applies the gates. ``tanh`` is computed as
-``2σ(2x) − 1``: ``torch.tanh`` measured ~5× slower than ``torch.sigmoid`` on CPU.
+``h_{t−1}·W_hhᵀ`` (one oneDNN call with its ``add`` post-op) and applies the gates. ``tanh`` is
+``torch.tanh`` or ``2σ(2x) − 1``, whichever a one-off timing finds faster on this CPU
+(:func:`_tanh_is_fast`).
 
-Every product, forward and backward, goes through oneDNN (``torch.ops.mkldnn._linear_pointwise``) on
-CPU in fp32, the library ``nn.LSTM``'s own kernel uses: on the AMD EPYC machines this project is measured
-on, ``torch.mm``/``addmm`` (MKL) ran these products at about half oneDNN's speed.
+The backward runs in blocks of time steps that share one choice of kept columns
+(:class:`LSTMBackward`, ``block_steps``). Its products go through BLAS (``torch.mm``) on Intel CPUs
+and through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the library ``nn.LSTM``'s own kernel
+uses) elsewhere: on the AMD EPYC machines this project was first measured on, MKL ran them at about
+half oneDNN's speed; on an Intel Xeon, MKL was the faster one.
 """
 
 from __future__ import annotations
