@@ -74,3 +74,14 @@ def write_section(name: str, markdown: str) -> None:
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     BENCHMARKS_MD.write_text(text)
+
+
+def report_tables(tables: list, section: str | None, heading: str) -> None:
+    """Print ``tables`` (``(title, headers, rows)`` each) and, unless ``section`` is ``None``, write them to that
+    section of BENCHMARKS.md under ``heading`` (the machine line is added after it)."""
+    for title, headers, rows in tables:
+        print_table(title, headers, rows)
+    if section is None:
+        return
+    markdown = "\n\n".join(f"**{title}**\n\n{markdown_table(headers, rows)}" for title, headers, rows in tables)
+    write_section(section, f"{heading} — {machine_line()}\n\n{markdown}")

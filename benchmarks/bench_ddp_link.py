@@ -242,7 +242,7 @@ def main() -> None:
         print(f"bench_ddp_link: skipped — {reason}")
         return
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from _common import machine_line, markdown_table, print_table, write_section
+    from _common import report_tables
 
     rates = ["1gbit"] if args.quick else args.rates.split(",")
     repetitions = 2 if args.quick else args.repetitions
@@ -269,16 +269,11 @@ def main() -> None:
         (f"digits MLP (examples/ddp_train.py), {args.epochs} epochs, 2 ranks, at {args.accuracy_rate}",
          ["model", "communication", "test accuracy", "median step ms", "run s (incl. start-up)"], accuracy_table),
     ]
-    for title, headers, rows in tables:
-        print_table(title, headers, rows)
-    if args.quick:
-        return
-    markdown = "\n\n".join(f"**{title}**\n\n{markdown_table(headers, rows)}" for title, headers, rows in tables)
-    write_section("ddp_link", "## DDP over an emulated cluster link (issue 16)\n\n"
-                  "`python benchmarks/bench_ddp_link.py` (as root) — " + machine_line() + "\n\n"
+    report_tables(tables, None if args.quick else "ddp_link",
+                  "## DDP over an emulated cluster link (issue 16)\n\n"
                   "Two gloo ranks in a private network namespace whose loopback is limited by `tc … tbf` (both "
                   "directions share the limit). Bytes: the loopback qdisc's counter, both ranks, headers "
-                  "included.\n\n" + markdown)
+                  "included.\n\n`python benchmarks/bench_ddp_link.py` (as root)")
 
 
 if __name__ == "__main__":

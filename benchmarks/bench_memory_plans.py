@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import fxapprox  # noqa: E402
 from fxapprox.saved_activations import count_saved_bytes  # noqa: E402
 
-from _common import interleaved_samples, machine_line, markdown_table, print_table, write_section  # noqa: E402
+from _common import interleaved_samples, report_tables  # noqa: E402
 
 
 def _models(quick: bool):
@@ -157,13 +157,9 @@ def main() -> None:
          "paired ratio vs exact)",
          ["transformer", "variant", "planned bytes", "step ms", "time vs exact", "plan"], times),
     ]
-    for title, headers, rows in tables:
-        print_table(title, headers, rows)
-    if args.quick:
-        return
-    markdown = "\n\n".join(f"**{title}**\n\n{markdown_table(headers, rows)}" for title, headers, rows in tables)
-    write_section("memory_plans", "## Sampled layers' memory and compression time (issue 15)\n\n"
-                  "`python benchmarks/bench_memory_plans.py` — " + machine_line() + "\n\n" + markdown)
+    report_tables(tables, None if args.quick else "memory_plans",
+                  "## Sampled layers' memory and compression time (issue 15)\n\n"
+                  "`python benchmarks/bench_memory_plans.py`")
 
 
 if __name__ == "__main__":

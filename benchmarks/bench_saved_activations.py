@@ -42,7 +42,7 @@ import fxapprox
 from fxapprox import ApproxConfig
 from fxapprox.saved_activations import count_saved_bytes
 
-from _common import interleaved_medians, machine_line, markdown_table, print_table, write_section
+from _common import interleaved_medians, report_tables
 
 RESOLUTION = 160
 VARIANTS = {  # name -> approximate() keyword arguments (budget=1: only activations change)
@@ -268,14 +268,9 @@ def main() -> None:
     tables.append(("Gradient cosine vs exact per parameter (min / median)",
                    ["model", "bits", "stochastic min", "stochastic median", "nearest min", "nearest median"],
                    fidelity))
-    for title, headers, rows in tables:
-        print_table(title, headers, rows)
-    if args.quick:
-        return
-    markdown = "\n\n".join(f"**{title}**\n\n{markdown_table(headers, rows)}" for title, headers, rows in tables)
-    write_section("saved_activations",
+    report_tables(tables, None if args.quick else "saved_activations",
                   "## Compressed saved activations (issue 4)\n\n"
-                  "`python benchmarks/bench_saved_activations.py` — " + machine_line() + "\n\n" + markdown)
+                  "`python benchmarks/bench_saved_activations.py`")
 
 
 if __name__ == "__main__":

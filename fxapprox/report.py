@@ -27,12 +27,8 @@ def _bytes(value: int) -> str:
 
 
 def _input_saving(decision) -> str:
-    if decision.save_input == "gathered":
-        return "; keeps a copy of its input's kept columns (its only saver)"
-    if decision.save_input == "reference":
-        return "; keeps its input itself (saved anyway)" if "saved anyway" in (decision.save_input_reason or "") \
-            else "; keeps its input itself"
-    return ""
+    kept = {"gathered": "a copy of its input's kept columns", "reference": "its input itself"}.get(decision.save_input)
+    return f"; keeps {kept} ({decision.save_input_reason})" if kept else ""
 
 
 def _untraced_lines(plan: Plan) -> str:

@@ -39,6 +39,23 @@ def _root(by_name: dict[str, torch.fx.Node], name: str) -> str:
     return name
 
 
+def _choice(node: torch.fx.Node, by_name: dict, savers: dict, sampled: dict) -> tuple[str, str]:
+    """``(save_input, why)`` for the forward-sampled ``node``, from who saves its activation input."""
+    activations = [arg for arg in node.all_input_nodes if arg.op != "get_attr"]
+    if len(activations) != 1:
+        return "reference", f"{len(activations)} activation operands"
+    root = _root(by_name, activations[0].name)
+    if node.name not in savers[root]:
+        return "reference", f"input {root} is not saved as a graph value"
+    others = savers[root] - set(sampled)
+    if others:
+        return "reference", f"input {root} is saved anyway by {', '.join(sorted(others))}"
+    share = sum(sampled[s].k / sampled[s].n for s in savers[root])
+    if share < 1.0:
+        return "gathered", f"only sampled layers save input {root}: their kept columns are {share:.2f} of it"
+    return "reference", f"the sampled layers saving input {root} keep {share:.2f} of it in all"
+
+
 def plan_input_saving(gm: torch.fx.GraphModule, plan: Plan) -> Plan:
     """Set ``save_input`` on every forward-sampled decision of ``plan`` from ``gm``'s saved-bytes analysis.
 
@@ -51,29 +68,10 @@ def plan_input_saving(gm: torch.fx.GraphModule, plan: Plan) -> Plan:
     by_name = {node.name: node for node in gm.graph.nodes}
     sampled = {d.node: d for d in plan.approximated if d.mode == "forward" and d.op_kind != "lstm"}
     savers: dict[str, set[str]] = defaultdict(set)        # root value → nodes that save it
-    inputs_of: dict[str, set[str]] = defaultdict(set)     # sampled node → roots of the activations it saves
     for node in gm.graph.nodes:
         for source in fx_meta(node).get("saved_from", {}):
-            root = _root(by_name, source)
-            savers[root].add(node.name)
-            if node.name in sampled and source != node.name:
-                inputs_of[node.name].add(root)
-    choices: dict[str, tuple[str, str]] = {}
-    for name, decision in sampled.items():
-        roots = inputs_of.get(name, set())
-        choice = ("reference", "its input is not saved as a graph value")
-        for root in roots:
-            others = savers[root] - set(sampled)
-            sharing = [sampled[s] for s in savers[root] if s in sampled]
-            share = sum(d.k / d.n for d in sharing)
-            if others:
-                choice = ("reference", f"input {root} is saved anyway by {', '.join(sorted(others))}")
-            elif share < 1.0:
-                choice = ("gathered", f"only sampled layers save input {root}: their kept columns are "
-                                      f"{share:.2f} of it")
-            else:
-                choice = ("reference", f"the sampled layers saving input {root} keep {share:.2f} of it in all")
-        choices[name] = choice
+            savers[_root(by_name, source)].add(node.name)
+    choices = {name: _choice(by_name[name], by_name, savers, sampled) for name in sampled}
     layers = tuple(dataclasses.replace(d, save_input=choices[d.node][0], save_input_reason=choices[d.node][1])
                    if d.node in choices else d for d in plan.layers)
     return dataclasses.replace(plan, layers=layers)
