@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
+import statistics
 import warnings
 
 import torch
@@ -18,12 +20,14 @@ from torch import nn
 from fxapprox._validate import check_choice, check_fraction
 from fxapprox.config import ApproxConfig
 from fxapprox.errors import PlanNotReadyError
-from fxapprox.modules import APPROX_MODULE_TYPES
+from fxapprox.guard import (CheckRecord, CheckStep, LayerCheck, TrainingHistory, alignment_and_cosine, gradient_errors,
+                            owner_groups)
+from fxapprox.modules import APPROX_MODULE_TYPES, SamplingSpec
 from fxapprox.ops.attention import as_in_compressed_training
 from fxapprox.ops.sampling import METHODS
 from fxapprox.passes.attention_recompute import recompute_attention
-from fxapprox.passes.budget_policy import plan_budget
-from fxapprox.passes.candidates import enumerate_candidates
+from fxapprox.passes.budget_policy import AUTO_BUDGET, gain_model, plan_budget
+from fxapprox.passes.candidates import enumerate_candidates, parameterised
 from fxapprox.passes.channels import annotate_channels
 from fxapprox.passes.compact_pooling import compact_max_pools
 from fxapprox.passes.flops import count_flops
@@ -32,6 +36,7 @@ from fxapprox.passes.measure_candidates import measure_candidates
 from fxapprox.passes.measure_saved import measure_saved_values
 from fxapprox.passes.memory_policy import memory_candidates, plan_memory, resolve_recompute
 from fxapprox.passes.rank import rank_layers
+from fxapprox.passes.replan import calibrated_error, calibration, predicted_families, replan
 from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.rewrite_saved import rewrite_saved_activations
 from fxapprox.passes.saved_bytes import measure_saved_bytes
@@ -73,6 +78,12 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: tuple, progress: bool = Fa
     return gm
 
 
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
 def _shapes(values) -> list:
     return [list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
 
@@ -88,7 +99,8 @@ class ApproxGraphModule(torch.fx.GraphModule):
                         model_name: str) -> None:
         self._fxapprox_state = {"budget": budget, "memory_budget": memory_budget, "method": method,
                                 "config": config, "model_name": model_name, "plan": None, "report": None,
-                                "enabled": True, "saving": None, "saved_stats": None}
+                                "enabled": True, "saving": None, "saved_stats": None, "training_steps": 0,
+                                "history": TrainingHistory(), "check": None, "in_reference": False}
 
     # -- planning ---------------------------------------------------------
     def _positional_inputs(self, args: tuple, kwargs: dict) -> tuple:
@@ -113,7 +125,7 @@ class ApproxGraphModule(torch.fx.GraphModule):
         analyse(self, inputs, progress=config.progress)
         rank_layers(self)
         enumerate_candidates(self, state["method"], config)
-        if config.policy == "measured" and state["budget"] < 1.0:
+        if config.policy == "measured" and (state["budget"] == AUTO_BUDGET or state["budget"] < 1.0):
             with _measurement_sandbox(self):
                 measure_candidates(self, *inputs, config=config, progress=config.progress)
         plan = plan_input_saving(self, plan_budget(self, state["budget"], state["method"], config))
@@ -190,28 +202,216 @@ class ApproxGraphModule(torch.fx.GraphModule):
         state = self._fxapprox_state
         if state["plan"] is None:
             self.plan_from(*args, **kwargs)
-        if state["saving"] is None or not (state["enabled"] and self.training and torch.is_grad_enabled()):
+        training = state["enabled"] and self.training and torch.is_grad_enabled()
+        if state["in_reference"] or not training:
             return super().__call__(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward runs eagerly under "
-                          "torch.compile (compressed activation saving is not compiled); the sampled ops of a "
-                          "compute-only plan compile", RuntimeWarning, stacklevel=2)
+        if not torch.compiler.is_compiling():
+            return self._training_call(args, kwargs)
+        if self._check_every() is not None and not state.get("warned_compile"):
+            state["warned_compile"] = True
+            warnings.warn("fxapprox: the guard (ApproxConfig(check_every=...)) does not run under torch.compile; "
+                          "the compiled training step is not checked against exact gradients", RuntimeWarning,
+                          stacklevel=2)
+        if state["saving"] is None:
+            return super().__call__(*args, **kwargs)
+        warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward runs eagerly under "
+                      "torch.compile (compressed activation saving is not compiled); the sampled ops of a "
+                      "compute-only plan compile", RuntimeWarning, stacklevel=2)
         return self._compressing_call(*args, **kwargs)
+
+    def _begin_step(self, args, kwargs) -> int:
+        """Count a training step; close a check whose backward never ran; re-plan the memory when due."""
+        state = self._fxapprox_state
+        check = state["check"]
+        if check is not None:
+            check.cancel()
+            state["check"] = None
+        state["training_steps"] += 1
+        every = state["config"].activation_replan_every
+        if every and state["training_steps"] % every == 0 and state["memory_budget"] is not None \
+                and state["saving"] is not None:
+            self.replan_memory(*args, **kwargs)
+        return state["training_steps"]
+
+    def _training_call(self, args, kwargs):
+        state = self._fxapprox_state
+        step = self._begin_step(args, kwargs)
+        if state["saving"] is not None:
+            def call():
+                return self._compressed_forward(args, kwargs)
+        else:
+            def call():
+                return super(ApproxGraphModule, self).__call__(*args, **kwargs)
+        if not self._check_due(step):
+            return call()
+        plan = self.plan
+        forward = any(d.mode == "forward" for d in plan.approximated)
+        backward = any(d.mode != "forward" for d in plan.approximated) or plan.memory is not None
+        check = CheckStep(self, args, kwargs, self._reference_call, lambda measured: self._checked(step, measured),
+                          replay=forward and backward)
+        state["check"] = check
+        return check.run(call)
 
     @torch._dynamo.disable
     def _compressing_call(self, *args, **kwargs):
         # Eager under torch.compile (a graph break here): the pack hooks key saved tensors by storage and the
         # markers tag graph values as they are made, neither of which survives inductor's rewriting of the
         # forward and of what it saves.
+        self._begin_step(args, kwargs)
+        return self._compressed_forward(args, kwargs)
+
+    def _compressed_forward(self, args, kwargs):
         state = self._fxapprox_state
-        every = state["config"].activation_replan_every
-        state["training_steps"] = state.get("training_steps", 0) + 1
-        if every and state["training_steps"] % every == 0 and state["memory_budget"] is not None:
-            self.replan_memory(*args, **kwargs)
         with compressing_saved_tensors(state["saving"], self) as compressor:
             output = super().__call__(*args, **kwargs)
         state["saved_stats"] = compressor.stats()
         return output
+
+    # -- the guard ------------------------------------------------------------------------------
+    def _check_every(self) -> int | None:
+        return self._fxapprox_state["config"].check_every
+
+    def _check_due(self, step: int) -> bool:
+        every = self._check_every()
+        if every is None or step % every:
+            return False
+        plan = self.plan
+        return bool(plan.approximated) or (plan.memory is not None and bool(plan.memory.compressed
+                                                                             or plan.memory.recomputed))
+
+    def _reference_call(self, args, kwargs, aliases, keep_forward: bool = False):
+        """The model on ``aliases`` of its parameters, exact (the guard's reference pass) or, with
+        ``keep_forward``, with only the forward-sampled layers sampled (no compressed activations either)."""
+        state = self._fxapprox_state
+        modules = [m for m in self.modules() if isinstance(m, APPROX_MODULE_TYPES)]
+        flags = [m.fxapprox_enabled for m in modules]
+        for module in modules:
+            module.fxapprox_enabled = module.fxapprox_enabled and keep_forward \
+                and module.fxapprox_spec.mode == "forward"
+        state["in_reference"] = True
+        try:
+            return torch.func.functional_call(self, aliases, args, kwargs, strict=False)
+        finally:
+            state["in_reference"] = False
+            for module, flag in zip(modules, flags):
+                module.fxapprox_enabled = flag
+
+    def _layer_parameters(self, decision) -> list[str]:
+        """Names of the parameters an approximated layer's weight gradient is measured on."""
+        node = next((n for n in self.graph.nodes if n.name == decision.node), None)
+        if node is None:
+            return []
+        names = []
+        if node.op == "call_module":
+            module = self.get_submodule(node.target)
+            names += [f"{node.target}.{name}" for name, p in module.named_parameters(recurse=False)
+                      if p.requires_grad]
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and parameterised(self, arg):
+                names.append(arg.target)
+        return names
+
+    def _checked(self, step: int, measured: dict) -> None:
+        """Turn one check's gradients into a :class:`~fxapprox.guard.CheckRecord` and act on it: re-plan when
+        the calibrated error passes the tolerance or the plan is no longer predicted to pay."""
+        state = self._fxapprox_state
+        state["check"] = None
+        plan = self.plan
+        config: ApproxConfig = state["config"]
+        exact, approx, replay = measured["exact"], measured["approx"], measured["replay"]
+        groups = owner_groups(exact)
+        model_error, _ = gradient_errors(exact, approx, groups)
+        forward = any(d.mode == "forward" for d in plan.approximated)
+        if replay is not None:
+            backward_error = gradient_errors(replay, approx, groups)[0]
+        else:
+            backward_error = 0.0 if forward else model_error
+        families = predicted_families(self)
+        memory_error = plan.memory.predicted_error if plan.memory is not None else None
+        factors = calibration(families, backward_error, measured["output_error"], memory_error or 0.0)
+        calibrated = math.hypot(calibrated_error(families, factors),
+                                math.sqrt(factors.backward) * (memory_error or 0.0))
+        layers = []
+        for decision in plan.approximated:
+            names = self._layer_parameters(decision)
+            _, errors = gradient_errors(exact, approx, {decision.target: names}) if names else (0.0, {})
+            layers.append(LayerCheck(node=decision.node, target=decision.target, method=decision.method,
+                                     mode=decision.mode, keep_ratio=decision.keep_ratio,
+                                     planned_error=decision.isolated_grad_error,
+                                     measured_error=errors.get(decision.target)))
+        alignment, cosine = alignment_and_cosine(exact, approx)
+        record = CheckRecord(step=step, model_error=model_error, predicted_error=plan.predicted_step_error,
+                             backward_error=backward_error,
+                             predicted_backward_error=math.sqrt(families["backward_step"] + (memory_error or 0) ** 2),
+                             output_error=measured["output_error"],
+                             predicted_output_error=math.sqrt(families["output"]),
+                             calibrated_error=calibrated, alignment=alignment, cosine=cosine,
+                             exact_seconds=measured["exact_seconds"], approx_seconds=measured["approx_seconds"],
+                             layers=tuple(layers), planned_flops=plan.achieved)
+        record = self._act_on_check(record, factors)
+        state["history"].append(record)
+        if config.check_verbose:
+            _console().print(record.line(), highlight=False)
+
+    def _act_on_check(self, record: CheckRecord, factors) -> CheckRecord:
+        """Re-plan when the check says the plan costs more than the tolerance or no longer pays; the record
+        says what was done and why."""
+        state = self._fxapprox_state
+        config: ApproxConfig = state["config"]
+        plan = self.plan
+        payoff = gain_model(self, plan.total_exact_flops, config)
+        # Speed: the median of the checks' measured speed-ups after the first (whose step may still pay one-off
+        # costs), else the plan's prediction.
+        speeds = [r.speedup for r in state["history"].records[1:]] + ([record.speedup] if state["history"] else [])
+        speedup = statistics.median(speeds) if speeds else plan.predicted_speedup
+        why = []
+        if config.max_grad_error is not None and record.calibrated_error > config.max_grad_error:
+            why.append(f"calibrated model-gradient error {record.calibrated_error:.3f} > max_grad_error "
+                       f"{config.max_grad_error:g}")
+        gain = None
+        if payoff is not None and speedup is not None and plan.approximated:
+            gain = speedup / payoff.steps(record.calibrated_error ** 2)
+            if gain < config.min_gain:
+                why.append(f"{speedup:.2f}x faster per step but {payoff.steps(record.calibrated_error ** 2):.2f}x "
+                           f"the steps: {gain:.2f}x < min_gain {config.min_gain:g}")
+        if not why or not plan.approximated:
+            note = "within the tolerance" + ("" if gain is None else f", predicted {gain:.2f}x sooner to a given loss")
+            return dataclasses.replace(record, note=note if plan.approximated else "nothing sampled")
+        if not config.check_replan:
+            return dataclasses.replace(record, action="measured", note="; ".join(why) + " (check_replan=False)")
+        if plan.predicted_error is None:   # only the measured policy's candidates carry the errors a re-plan needs
+            return dataclasses.replace(record, action="measured",
+                                       note="; ".join(why) + " (policy='flops' plans are not re-planned)")
+        new = replan(self, plan, factors, speedup or 1.0, record.step, config, "; ".join(why))
+        self._apply_plan(new)
+        changed = [d for d, old in zip(new.layers, plan.layers)
+                   if (d.approximate, d.mode, d.method, d.k) != (old.approximate, old.mode, old.method, old.k)]
+        summary = ", ".join(f"{d.target} {'exact' if not d.approximate else f'{d.mode} {d.method} {d.keep_ratio:.2f}'}"
+                            for d in changed) or "no layer changed"
+        return dataclasses.replace(record, action="replanned", planned_flops=new.achieved,
+                                   note="; ".join(why) + f" → {summary}")
+
+    def _apply_plan(self, plan: Plan) -> None:
+        """Give every approximated module its decision's spec (``k = n``: exact); parameters stay the same
+        objects, so the optimizer's state and the state_dict keys are untouched."""
+        state = self._fxapprox_state
+        nodes = {n.name: n for n in self.graph.nodes}
+        for decision in plan.layers:
+            node = nodes.get(decision.node)
+            if node is None or node.op != "call_module":
+                continue
+            module = self.get_submodule(node.target)
+            if not isinstance(module, APPROX_MODULE_TYPES):
+                continue
+            spec = module.fxapprox_spec
+            if decision.approximate:
+                module.fxapprox_spec = SamplingSpec(method=decision.method, k=decision.k, n=decision.n,
+                                                    mode=decision.mode, random_share=decision.random_share,
+                                                    save_input=decision.save_input or "reference")
+            else:
+                module.fxapprox_spec = dataclasses.replace(spec, k=spec.n)
+        state["plan"] = plan
+        state["report"] = Report(plan, state["model_name"], state["report"].input_shapes)
 
     # -- public surface ---------------------------------------------------
     @property
@@ -242,6 +442,18 @@ class ApproxGraphModule(torch.fx.GraphModule):
         return self._fxapprox_state["saved_stats"]
 
     @property
+    def history(self) -> TrainingHistory:
+        """The guard's checks so far (:class:`~fxapprox.guard.TrainingHistory`; empty when ``check_every`` is
+        ``None`` or nothing was trained yet).
+
+        Example::
+
+            >>> approx.history[-1].model_error, approx.history[-1].speedup
+            >>> json.dumps(approx.history.to_dict())
+        """
+        return self._fxapprox_state["history"]
+
+    @property
     def planned(self) -> bool:
         return self._fxapprox_state["plan"] is not None
 
@@ -260,9 +472,13 @@ class ApproxGraphModule(torch.fx.GraphModule):
                 module.fxapprox_enabled = enabled
         return self
 
+    def _portable_state(self) -> dict:
+        """The state without the check in flight (its hooks belong to this module's tensors)."""
+        return {**self._fxapprox_state, "check": None, "in_reference": False}
+
     def __deepcopy__(self, memo):
         result = super().__deepcopy__(memo)
-        result._fxapprox_state = copy.deepcopy(self._fxapprox_state, memo)
+        result._fxapprox_state = copy.deepcopy(self._portable_state(), memo)
         return result
 
     def __reduce__(self):
@@ -271,6 +487,7 @@ class ApproxGraphModule(torch.fx.GraphModule):
         # forward they do nothing, so a tracer records nothing; re-tracing them raised TraceError). The graph
         # itself pickles (its targets are importable functions, method names and submodule paths): store it.
         body = self.__dict__.copy()
+        body["_fxapprox_state"] = self._portable_state()
         graph = body.pop("_graph")
         for generated in ("_code", "_lineno_map", "_prologue_start"):
             body.pop(generated, None)
@@ -344,12 +561,16 @@ def _as_tuple(example_inputs) -> tuple:
                     f"got {type(example_inputs).__name__}")
 
 
-def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, memory_budget: float | None = None,
+def approximate(model: nn.Module, budget: float | str = 0.5, *, example_inputs=None, memory_budget: float | None = None,
                 method: str = "auto", config: ApproxConfig | None = None) -> ApproxGraphModule:
     """Return a copy of ``model`` whose training step spends at most ``budget`` of the exact FLOPs.
 
     ``budget`` is the fraction, in (0, 1], of the exact model's training-step
-    FLOPs (forward + backward) the result may spend; 1.0 is exact. With
+    FLOPs (forward + backward) the result may spend; 1.0 is exact. The measured
+    policy spends less than asked where more sampling is predicted not to pay
+    (it would cost more training steps than it saves time: the plan's note says
+    so). ``budget="auto"``: the plan predicted to reach a given loss soonest,
+    exact when none is predicted to beat exact training. With
     ``example_inputs`` the model is analysed and planned at once; otherwise on
     the first batch it sees. ``model`` is never modified; it may be an
     ``nn.Module`` or an already traced ``torch.fx.GraphModule``.
@@ -361,7 +582,8 @@ def approximate(model: nn.Module, budget: float = 0.5, *, example_inputs=None, m
         >>> approx.report.show()
         >>> torchvision.models.resnet18().load_state_dict(approx.state_dict())
     """
-    budget = check_fraction("budget", budget)
+    if budget != AUTO_BUDGET:
+        budget = check_fraction("budget", budget)
     memory_budget = check_fraction("memory_budget", memory_budget, allow_none=True)
     check_choice("method", method, set(METHODS) | {"auto"})
     if config is None:

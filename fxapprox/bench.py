@@ -63,7 +63,7 @@ class BenchResult:
     flops_exact: int             #: FlopCounterMode over one exact train step
     flops_planned: int           #: the plan's training-step total
     flops_executed: int          #: FlopCounterMode over one approximated train step
-    budget: float
+    budget: float | str
     memory_budget: float | None
     steps: int
     layers: tuple[LayerFidelity, ...] = field(default_factory=tuple)
@@ -212,7 +212,7 @@ def _device_synchronizer(inputs: tuple):
     return (lambda: module.synchronize(device)) if hasattr(module, "synchronize") else (lambda: None)
 
 
-def bench(model: nn.Module, example_inputs, *, budget: float = 0.5, memory_budget: float | None = None,
+def bench(model: nn.Module, example_inputs, *, budget: float | str = 0.5, memory_budget: float | None = None,
           steps: int = 10, warmup: int = 2, method: str = "auto", config=None, loss_fn: Callable | None = None,
           fidelity_samples: int = 1, progress: bool = True) -> BenchResult:
     """Time, memory, FLOPs and per-layer gradient fidelity of ``approximate(model, ...)`` vs ``model``.
@@ -229,7 +229,8 @@ def bench(model: nn.Module, example_inputs, *, budget: float = 0.5, memory_budge
     """
     import fxapprox
 
-    check_fraction("budget", budget)
+    if budget != "auto":
+        check_fraction("budget", budget)
     if memory_budget is not None:
         check_fraction("memory_budget", memory_budget)
     check_int("steps", steps, minimum=1)

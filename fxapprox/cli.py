@@ -57,11 +57,14 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _parse_budget(text: str, flag: str = "--budget") -> float:
+def _parse_budget(text: str, flag: str = "--budget", auto: bool = False) -> float | str:
+    if auto and text == "auto":
+        return text
     try:
         return float(text)
     except ValueError:
-        raise CliError(f"{flag} {text!r}: expected a number in (0, 1]") from None
+        expected = "a number in (0, 1] or 'auto'" if auto else "a number in (0, 1]"
+        raise CliError(f"{flag} {text!r}: expected {expected}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def common(sub):
         sub.add_argument("model", help="torchvision:NAME or package.module:callable")
-        sub.add_argument("--budget", default="0.5", help="fraction of exact training FLOPs, in (0, 1] (0.5)")
+        sub.add_argument("--budget", default="0.5", help="fraction of exact training FLOPs, in (0, 1], or auto (0.5)")
         sub.add_argument("--input-shape", default="8,3,224,224", help="example input shape (8,3,224,224)")
         sub.add_argument("--memory-budget", default=None,
                          help="fraction of exact saved-activation bytes, in (0, 1] (none: not compressed)")
@@ -116,7 +119,9 @@ def _checked_arguments(args, progress: bool = False):
 
     shape = parse_shape(args.input_shape)
     try:
-        budget = check_fraction("budget", _parse_budget(args.budget))
+        budget = _parse_budget(args.budget, auto=True)
+        if budget != "auto":
+            budget = check_fraction("budget", budget)
         memory_budget = None if args.memory_budget is None else check_fraction(
             "memory_budget", _parse_budget(args.memory_budget, "--memory-budget"))
         check_choice("method", args.method, set(METHODS) | {"auto"})

@@ -204,6 +204,11 @@ class ApproxConfig:
     activation_policy: str = "measured"
     activation_recompute: bool | str = "auto"
     activation_replan_every: int | None = None
+    error_cost: float = 4.0
+    min_gain: float | None = 1.05
+    check_every: int | None = 50
+    check_replan: bool = True
+    check_verbose: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)):
@@ -268,6 +273,14 @@ class ApproxConfig:
         check_choice("activation_policy", self.activation_policy, ("measured", "width"))
         if self.activation_replan_every is not None:
             check_int("activation_replan_every", self.activation_replan_every, minimum=1)
+        check_positive("error_cost", self.error_cost)
+        if self.min_gain is not None:
+            check_positive("min_gain", self.min_gain)
+        if self.check_every is not None:
+            check_int("check_every", self.check_every, minimum=1)
+        for name in ("check_replan", "check_verbose"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.activation_recompute, bool) or self.activation_recompute in ("linear", "auto")):
             raise ValueError("activation_recompute must be True, False, 'linear' or 'auto', got "
                              f"{self.activation_recompute!r}")
@@ -331,4 +344,9 @@ class ApproxConfig:
             "activation_policy": self.activation_policy,
             "activation_recompute": self.activation_recompute,
             "activation_replan_every": self.activation_replan_every,
+            "error_cost": self.error_cost,
+            "min_gain": self.min_gain,
+            "check_every": self.check_every,
+            "check_replan": self.check_replan,
+            "check_verbose": self.check_verbose,
         }

@@ -44,6 +44,9 @@ class LayerDecision:
     #: ``"gathered"`` (a copy of the kept columns), and why (``fxapprox.passes.input_saving``)
     save_input: str | None = None
     save_input_reason: str | None = None
+    #: the relative error of the layer's own weight gradient in one draw, measured in isolation at planning (what
+    #: the guard compares with the layer's error in the whole model during training)
+    isolated_grad_error: float | None = None
 
     @property
     def keep_ratio(self) -> float:
@@ -129,7 +132,8 @@ class MemoryPlan:
 class Plan:
     """The whole plan and its totals (training FLOPs are forward + backward)."""
 
-    budget: float
+    #: the FLOP budget asked for (a fraction of exact training FLOPs), or ``"auto"``
+    budget: float | str
     method: str
     total_exact_flops: int
     total_planned_flops: int
@@ -143,6 +147,13 @@ class Plan:
     #: submodules torch.fx could not trace, kept whole and exact: dicts with ``module``, ``module_type``,
     #: ``reason`` and ``source_line``
     untraced: tuple[dict, ...] = field(default_factory=tuple)
+    #: the predicted model-gradient error of one training step, the noise of one draw counted whole (what the
+    #: guard, ``ApproxConfig(check_every=N)``, measures); ``predicted_error`` averages the noise over steps
+    predicted_step_error: float | None = None
+    #: the measured policy's pay-off model (``fxapprox.passes.payoff``): predicted exact / approximate step time,
+    #: and how much sooner than exact training the plan reaches a given loss (speed-up / predicted steps)
+    predicted_speedup: float | None = None
+    predicted_gain: float | None = None
 
     @property
     def achieved(self) -> float:
@@ -172,6 +183,9 @@ class Plan:
             "layers": [d.to_dict() for d in self.layers],
             "memory": None if self.memory is None else self.memory.to_dict(),
             "predicted_error": self.predicted_error,
+            "predicted_step_error": self.predicted_step_error,
+            "predicted_speedup": self.predicted_speedup,
+            "predicted_gain": self.predicted_gain,
             "untraced": [dict(u) for u in self.untraced],
         }
 
@@ -184,5 +198,6 @@ class Plan:
                                        "budget_met", "note", "config")}
         memory = data.get("memory")
         return cls(layers=layers, memory=None if memory is None else MemoryPlan.from_dict(memory),
-                   predicted_error=data.get("predicted_error"),
+                   predicted_error=data.get("predicted_error"), predicted_step_error=data.get("predicted_step_error"),
+                   predicted_speedup=data.get("predicted_speedup"), predicted_gain=data.get("predicted_gain"),
                    untraced=tuple(dict(u) for u in data.get("untraced", ())), **fields)

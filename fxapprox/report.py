@@ -22,6 +22,11 @@ def _flops(value: int) -> str:
     return str(value)
 
 
+def budget_text(budget) -> str:
+    """``0.5`` → ``"0.5"``; ``"auto"`` stays."""
+    return budget if isinstance(budget, str) else f"{budget:g}"
+
+
 def _bytes(value: int) -> str:
     return f"{value / 2**20:.2f}" if value else "-"
 
@@ -119,7 +124,7 @@ class Report:
             f" | predicted model-gradient error {plan.predicted_error:.3f}"
             + (f" (max_grad_error {plan.config['max_grad_error']:g})" if plan.config.get("max_grad_error") else ""))
         return (f"training FLOPs (fwd+bwd) exact {_flops(plan.total_exact_flops)}, planned "
-                f"{_flops(plan.total_planned_flops)} | budget asked {plan.budget:g}, achieved "
+                f"{_flops(plan.total_planned_flops)} | budget asked {budget_text(plan.budget)}, achieved "
                 f"{plan.achieved:.3f} ({'met' if plan.budget_met else 'NOT met'}) | "
                 f"{len(plan.approximated)}/{len(plan.layers)} layers sampled ({plan.method}, "
                 f"{plan.config.get('policy', 'flops')} policy){error}\n{plan.note}{_untraced_lines(plan)}")
@@ -136,7 +141,7 @@ class Report:
     def __repr__(self) -> str:
         memory = self.plan.memory
         saved = "" if memory is None else f", saved_activations={memory.achieved:.3f}"
-        return (f"Report(model={self.model_name!r}, budget={self.plan.budget:g}, "
+        return (f"Report(model={self.model_name!r}, budget={budget_text(self.plan.budget)}, "
                 f"achieved={self.plan.achieved:.3f}, sampled={len(self.plan.approximated)}/{len(self.plan.layers)}"
                 f"{saved})")
 

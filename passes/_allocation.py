@@ -32,9 +32,12 @@ def lower_hull(options: list[dict]) -> list[dict]:
     return [options[i] for _, _, i in hull[1:]]
 
 
-def least_error_allocation(items: list, options: dict, needed: float,
-                           error_cap: float | None) -> tuple[dict, float, float, set]:
+def least_error_allocation(items: list, options: dict, needed: float, error_cap: float | None,
+                           objective=None) -> tuple[dict, float, float, set]:
     """``(chosen option per item, saved, total contribution, items whose next step the cap refused)``.
+
+    ``objective(chosen, saved, total)``: when given, the steps stop at the prefix where it is highest (the
+    empty prefix included): taking more would lower it.
 
     Example::
 
@@ -53,6 +56,7 @@ def least_error_allocation(items: list, options: dict, needed: float,
     chosen: dict = {}
     saved, total = 0.0, 0.0
     capped: set = set()
+    best = (objective(chosen, saved, total), dict(chosen), saved, total) if objective is not None else None
     for *_, item, option, extra_saving, extra_error in steps:
         if saved >= needed - _TOLERANCE:
             break
@@ -64,6 +68,12 @@ def least_error_allocation(items: list, options: dict, needed: float,
         chosen[item] = option
         saved += extra_saving
         total += extra_error
+        if objective is not None:
+            value = objective(chosen, saved, total)
+            if value > best[0] + _TOLERANCE:
+                best = (value, dict(chosen), saved, total)
+    if objective is not None:
+        _, chosen, saved, total = best
     for item in reversed(list(chosen)):
         current = chosen[item]
         for option in sorted(options[item], key=lambda o: o["contribution"]):

@@ -23,7 +23,7 @@ one function each:
      ``keep_ratio``, then one common ratio lowered to ``min_keep_ratio``;
    * ``"uniform"`` (:func:`_uniform_choices`): every eligible layer at ``keep_ratio``;
 
-3. :func:`_decisions` — one :class:`~fxapprox.plan.LayerDecision` per layer;
+3. :func:`decisions_for` — one :class:`~fxapprox.plan.LayerDecision` per layer;
 4. :func:`_note` — the totals and, when the budget is not met, why.
 
 **Predicted error.** A layer approximated in isolation changes its output by a
@@ -78,12 +78,16 @@ from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta, train_flops
 from fxapprox.passes.candidates import enumerate_candidates, parameterised, planned_layers
 from fxapprox.passes.graph_view import target_name, to_networkx
+from fxapprox.passes.measure_candidates import EXACT_STEP_KEY
+from fxapprox.passes.payoff import GainModel
 
 _TOLERANCE = 1e-9
+#: ``approximate(model, budget="auto")``: the policy chooses the FLOPs (the plan with the highest predicted gain)
+AUTO_BUDGET = "auto"
 
 
 @dataclass
-class _Choice:
+class Choice:
     """A policy's decision for one layer: the candidate dict (or ``None``: exact) and why."""
 
     candidate: dict | None
@@ -185,6 +189,15 @@ def predicted_contribution(errors: dict, input_weight: float, owners: int, mode:
     return (errors.get("weight_grad", 0.0) ** 2 + input_weight * errors.get("input_grad", 0.0) ** 2) / owners
 
 
+def one_draw_errors(candidate: dict) -> dict:
+    """A measured candidate's errors in one draw, ``sqrt(bias² + noise²)`` per quantity (its ``errors`` average the
+    noise over ``noise_horizon`` steps)."""
+    bias, noise = candidate.get("bias"), candidate.get("noise")
+    if bias is None or noise is None:
+        return dict(candidate.get("errors") or {})
+    return {name: math.hypot(bias.get(name, 0.0), noise.get(name, 0.0)) for name in bias}
+
+
 def _describe(candidate: dict) -> str:
     speed = "" if candidate.get("speedup") is None else f", {candidate['speedup']:.2f}x faster"
     return (f"{candidate['mode']} {candidate['method']} at keep {candidate['keep_ratio']:.2f} "
@@ -200,7 +213,7 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
     for node in layers:
         meta = fx_meta(node)
         if meta.get("blocker"):
-            choices[node] = _Choice(None, meta["blocker"])
+            choices[node] = Choice(None, meta["blocker"])
             continue
         measured = [c for c in meta.get("candidates", []) if c["blocked"] is None and "errors" in c]
         for candidate in measured:
@@ -208,25 +221,30 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
                 candidate["errors"], weights.get(node.name, 0.0), owners, candidate["mode"], candidate.get("bias"),
                 candidate.get("noise"), head=node.name in heads)
             candidate["predicted_error"] = math.sqrt(candidate["contribution"])
+            # The same with the noise of one draw counted whole: what one step's gradient shows (the guard).
+            candidate["step_contribution"] = predicted_contribution(
+                one_draw_errors(candidate), weights.get(node.name, 0.0), owners, candidate["mode"],
+                candidate.get("bias"), candidate.get("noise"), head=node.name in heads)
         fast = [c for c in measured if config.min_speedup is None or
                 (c.get("speedup") is not None and c["speedup"] >= config.min_speedup)]
         if meta.get("pinned_ratio") is not None:
             if measured:
                 best = min(fast or measured, key=lambda c: c["contribution"])
                 pinned[node] = best
-                choices[node] = _Choice(best, f"keep-ratio pinned by override {meta['pinned_by']}: {_describe(best)}",
+                choices[node] = Choice(best, f"keep-ratio pinned by override {meta['pinned_by']}: {_describe(best)}",
                                         best["predicted_error"])
             else:
-                choices[node] = _Choice(None, f"keep-ratio {meta['pinned_ratio']:g} pinned by override "
+                choices[node] = Choice(None, f"keep-ratio {meta['pinned_ratio']:g} pinned by override "
                                               f"{meta['pinned_by']}, but "
                                         + _why_no_candidate(meta, measured, config))
             continue
         if not fast:
-            choices[node] = _Choice(None, _why_no_candidate(meta, measured, config))
+            choices[node] = Choice(None, _why_no_candidate(meta, measured, config))
             continue
         usable[node] = fast
     fixed_saving = sum(_saving(n, c) for n, c in pinned.items())
     fixed_error = sum(c["contribution"] for c in pinned.values())
+    fixed_step_error = sum(c["step_contribution"] for c in pinned.values())
     needed = max(0.0, total - target - fixed_saving)
     free = [n for n in layers if n in usable]
     cap = None
@@ -234,20 +252,43 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
         cap = math.sqrt(max(config.max_grad_error ** 2 - fixed_error, 0.0))
     if budget >= 1.0:
         for node in free:
-            choices[node] = _Choice(None, "budget 1.0: exact training requested")
-        summary.update(squared_error=fixed_error, uncapped_error=None, capped=False)
+            choices[node] = Choice(None, "budget 1.0: exact training requested")
+        summary.update(squared_error=fixed_error, step_squared_error=fixed_step_error, uncapped_error=None,
+                       capped=False)
         return choices
     for node in free:
+        exact_seconds = fx_meta(node).get("exact_seconds")
         for candidate in usable[node]:
             candidate["saving"] = _saving(node, candidate)
-    chosen, saved, squared, capped = least_error_allocation(free, usable, needed, cap)
+            candidate["time_saving"] = None if exact_seconds is None or candidate.get("seconds") is None \
+                else exact_seconds - candidate["seconds"]
+    fixed_time = _time_saved(pinned)
+    payoff = gain_model(gm, total, config)
+    objective = None
+    if payoff is not None:
+        def objective(chosen, saved, squared):
+            return payoff.gain(_add(fixed_time, _time_saved(chosen)), fixed_saving + saved, fixed_error + squared)
+    chosen, saved, squared, capped = least_error_allocation(free, usable, needed, cap, objective)
     if chosen and saved > needed + _TOLERANCE:
         squared += _raise_last_ratio(chosen, usable, saved - needed)
     # The same allocation without the tolerance: what meeting the budget would cost (for the note).
     uncapped, uncapped_saved, uncapped_squared, _ = least_error_allocation(free, usable, needed, None)
     if uncapped and uncapped_saved > needed + _TOLERANCE:
         uncapped_squared += _raise_last_ratio(uncapped, usable, uncapped_saved - needed)
-    summary.update(squared_error=fixed_error + squared, capped=bool(capped),
+    stopped_for_gain = payoff is not None and saved < needed - _TOLERANCE and not capped
+    if payoff is not None and chosen:
+        gain = payoff.gain(_add(fixed_time, _time_saved(chosen)), fixed_saving + saved, fixed_error + squared)
+        if gain < config.min_gain:
+            summary["unpaid"] = payoff.describe(_add(fixed_time, _time_saved(chosen)), fixed_saving + saved,
+                                                fixed_error + squared)
+            chosen, saved, squared, stopped_for_gain = {}, 0.0, 0.0, True
+    if payoff is not None:
+        summary.update(payoff=payoff, predicted_speedup=payoff.speedup(_add(fixed_time, _time_saved(chosen)),
+                                                                       fixed_saving + saved),
+                       predicted_steps=payoff.steps(fixed_error + squared))
+        summary["predicted_gain"] = summary["predicted_speedup"] / summary["predicted_steps"]
+    summary.update(squared_error=fixed_error + squared, capped=bool(capped), stopped_for_gain=stopped_for_gain,
+                   step_squared_error=fixed_step_error + sum(c["step_contribution"] for c in chosen.values()),
                    uncapped_error=math.sqrt(fixed_error + uncapped_squared),
                    uncapped_reachable=uncapped_saved >= needed - _TOLERANCE)
     for node in free:
@@ -255,15 +296,39 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
         if candidate is not None:
             raised = ", keep-ratio raised so no more is cut than the budget needs" if candidate.get("interpolated") \
                 else ""
-            choices[node] = _Choice(candidate, f"least error per FLOP saved: {_describe(candidate)}{raised}",
+            choices[node] = Choice(candidate, f"least error per FLOP saved: {_describe(candidate)}{raised}",
                                     candidate["predicted_error"])
+        elif stopped_for_gain:
+            choices[node] = Choice(None, "not sampled: more sampling is predicted to cost more training steps than "
+                                          "it saves time (" + (summary.get("unpaid") or "gain past its peak") + ")")
         elif node in capped:
             best = min(usable[node], key=lambda c: c["contribution"])
-            choices[node] = _Choice(None, f"max_grad_error={config.max_grad_error:g} reached: its best candidate "
+            choices[node] = Choice(None, f"max_grad_error={config.max_grad_error:g} reached: its best candidate "
                                           f"would add error {best['predicted_error']:.3f}")
         else:
-            choices[node] = _Choice(None, "not needed: layers with less error per FLOP saved meet the budget")
+            choices[node] = Choice(None, "not needed: layers with less error per FLOP saved meet the budget")
     return choices
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+def _time_saved(chosen: dict) -> float | None:
+    """Seconds per step the chosen candidates save, measured (``None`` when one of them was not timed)."""
+    total = 0.0
+    for candidate in chosen.values():
+        if candidate.get("time_saving") is None:
+            return None
+        total += candidate["time_saving"]
+    return total
+
+
+def gain_model(gm: torch.fx.GraphModule, total_flops: float, config: ApproxConfig) -> GainModel | None:
+    """The plan's pay-off model (``None`` when ``config.min_gain`` is ``None``: the budget is spent regardless)."""
+    if config.min_gain is None:
+        return None
+    return GainModel(gm.meta.get(EXACT_STEP_KEY), total_flops, config.error_cost)
 
 
 def _interpolate(low: dict, high: dict | None, weight: float, key: str):
@@ -300,8 +365,12 @@ def _raise_last_ratio(chosen: dict, usable: dict, overshoot: float) -> float:
     raised = dict(low, k=k, keep_ratio=k / n, interpolated=True)
     raised["flops"] = handler_for(meta).candidate_flops(meta, low["mode"], k / n)
     raised["saving"] = train_flops(node) - raised["flops"]
-    for key in ("contribution", "speedup", "errors", "bias", "noise"):
+    for key in ("contribution", "step_contribution", "speedup", "errors", "bias", "noise"):
         raised[key] = _interpolate(low, high, weight, key)
+    if low.get("time_saving") is not None:
+        high_saving = 0.0 if high is None else high.get("time_saving")
+        raised["time_saving"] = None if high_saving is None else \
+            low["time_saving"] + weight * (high_saving - low["time_saving"])
     raised["predicted_error"] = math.sqrt(max(raised["contribution"], 0.0))
     chosen[node] = raised
     return raised["contribution"] - low["contribution"]
@@ -340,7 +409,7 @@ def _fixed_ratio_layers(layers, config: ApproxConfig, method: str, choices: dict
     for node in layers:
         meta = fx_meta(node)
         if meta.get("blocker"):
-            choices[node] = _Choice(None, meta["blocker"])
+            choices[node] = Choice(None, meta["blocker"])
             continue
         mode = _single_mode(meta)
         # One method per layer: "auto" is the mode's first auto method (top-k forward, WTA-CRS backward).
@@ -355,16 +424,16 @@ def _fixed_ratio_layers(layers, config: ApproxConfig, method: str, choices: dict
         blocker = handler.mode_blocker(meta, mode, meta.get("pinned_ratio") or config.keep_ratio, 1,
                                        config.min_channels)
         if blocker is not None:
-            choices[node] = _Choice(None, blocker)
+            choices[node] = Choice(None, blocker)
             continue
         if meta.get("pinned_ratio") is not None:
             n = meta["reduction_size"]
             k = kept_count(meta["pinned_ratio"], n)
             if k < n:
-                choices[node] = _Choice(_flops_candidate(node, meta, mode, chosen_method, k),
+                choices[node] = Choice(_flops_candidate(node, meta, mode, chosen_method, k),
                                         f"keep-ratio pinned by override {meta['pinned_by']}")
             else:
-                choices[node] = _Choice(None, f"keep-ratio 1.0 pinned by override {meta['pinned_by']}")
+                choices[node] = Choice(None, f"keep-ratio 1.0 pinned by override {meta['pinned_by']}")
             continue
         free.append(node)
     return free, settings
@@ -380,13 +449,13 @@ def _uniform_choices(gm, layers, budget, total, target, config: ApproxConfig, su
         mode, method = settings[node]
         blocker = handler_for(meta).mode_blocker(meta, mode, k / n, config.min_k, config.min_channels)
         if budget >= 1.0:
-            choices[node] = _Choice(None, "budget 1.0: exact training requested")
+            choices[node] = Choice(None, "budget 1.0: exact training requested")
         elif k >= n:
-            choices[node] = _Choice(None, f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs")
+            choices[node] = Choice(None, f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs")
         elif blocker is not None:
-            choices[node] = _Choice(None, blocker)
+            choices[node] = Choice(None, blocker)
         else:
-            choices[node] = _Choice(_flops_candidate(node, meta, mode, method, k),
+            choices[node] = Choice(_flops_candidate(node, meta, mode, method, k),
                                     f"uniform recipe: keep-ratio {config.keep_ratio:g} for >= {config.min_channels} "
                                     "channels")
     return choices
@@ -410,26 +479,26 @@ def _flops_choices(gm, layers, budget, total, target, config: ApproxConfig, summ
     walked: list = []
     if budget >= 1.0:
         for node in free:
-            choices[node] = _Choice(None, "budget 1.0: exact training requested")
+            choices[node] = Choice(None, "budget 1.0: exact training requested")
         return choices
     for node in free:
         meta = fx_meta(node)
         n = meta["reduction_size"]
         k = kept_count(config.keep_ratio, n)
         if saved >= needed - _TOLERANCE:
-            choices[node] = _Choice(None, "not needed: higher-ranked layers already meet the budget")
+            choices[node] = Choice(None, "not needed: higher-ranked layers already meet the budget")
             continue
         blocker = handler_for(meta).mode_blocker(meta, settings[node][0], k / n, config.min_k, config.min_channels)
         if k >= n:
-            choices[node] = _Choice(None, f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs")
+            choices[node] = Choice(None, f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs")
             continue
         if blocker is not None:
-            choices[node] = _Choice(None, blocker)
+            choices[node] = Choice(None, blocker)
             continue
         walked.append(node)
         chosen_k[node] = k
         saved += saving(node, k)
-        choices[node] = _Choice(None, f"rank {meta['rank']}: sampled at the preferred keep-ratio")
+        choices[node] = Choice(None, f"rank {meta['rank']}: sampled at the preferred keep-ratio")
     if walked and saved > needed + _TOLERANCE:
         last = walked[-1]
         n = fx_meta(last)["reduction_size"]
@@ -439,7 +508,7 @@ def _flops_choices(gm, layers, budget, total, target, config: ApproxConfig, summ
             k += 1
         chosen_k[last] = k
         saved = before + saving(last, k)
-        choices[last] = _Choice(None, f"rank {fx_meta(last)['rank']}: keep-ratio raised to {k / n:.3f} so no more is "
+        choices[last] = Choice(None, f"rank {fx_meta(last)['rank']}: keep-ratio raised to {k / n:.3f} so no more is "
                                       "cut than the budget needs")
     elif walked and saved < needed - _TOLERANCE:
         # Phase 4 of the walk: one common ratio for every walked layer, lowered step by step.
@@ -455,7 +524,7 @@ def _flops_choices(gm, layers, budget, total, target, config: ApproxConfig, summ
                 break
             ratio = max(config.min_keep_ratio, ratio - 0.005)
         for node in walked:
-            choices[node] = _Choice(None, f"rank {fx_meta(node)['rank']}: common keep-ratio lowered to {ratio:.3f} to "
+            choices[node] = Choice(None, f"rank {fx_meta(node)['rank']}: common keep-ratio lowered to {ratio:.3f} to "
                                           "meet the budget")
     for node in walked:
         n = fx_meta(node)["reduction_size"]
@@ -473,7 +542,7 @@ def _public_candidate(candidate: dict) -> dict:
                                                 "errors", "bias", "noise", "speedup", "seconds", "predicted_error")}
 
 
-def _decisions(gm, layers, choices: dict, config: ApproxConfig, measured: bool) -> list[LayerDecision]:
+def decisions_for(gm, layers, choices: dict, config: ApproxConfig, measured: bool) -> list[LayerDecision]:
     decisions = []
     for node in layers:
         meta = fx_meta(node)
@@ -494,8 +563,10 @@ def _decisions(gm, layers, choices: dict, config: ApproxConfig, measured: bool) 
             predicted_error=(choice.predicted_error if approximate else 0.0) if measured else None,
             measured_speedup=candidate.get("speedup") if approximate else None,
             measured_errors=candidate.get("errors") if approximate else None,
+            isolated_grad_error=one_draw_errors(candidate).get("weight_grad") if approximate and measured else None,
             candidates=[_public_candidate(c) for c in meta.get("candidates", [])] if measured else [])
         meta["plan"] = decision.to_dict()
+        meta["chosen"] = candidate   # the candidate itself (a re-plan starts from it; it may be interpolated)
         decisions.append(decision)
     return decisions
 
@@ -514,20 +585,39 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
         (True, 0.5)
     """
     config = config or ApproxConfig()
-    layers, total, target = _layers_and_totals(gm, budget)
+    auto = budget == AUTO_BUDGET
+    if auto and (config.policy != "measured" or config.min_gain is None):
+        raise ValueError('budget="auto" chooses the budget from measured errors and speed: it needs '
+                         'ApproxConfig(policy="measured") and a min_gain (not None)')
+    fraction = 0.0 if auto else budget
+    layers, total, target = _layers_and_totals(gm, fraction)
     if any("candidates" not in fx_meta(n) for n in layers):
         enumerate_candidates(gm, method, config)
     summary: dict = {"method": method}
-    choices = _POLICIES[config.policy](gm, layers, budget, total, target, config, summary)
+    choices = _POLICIES[config.policy](gm, layers, fraction, total, target, config, summary)
     measured = config.policy == "measured"
-    decisions = _decisions(gm, layers, choices, config, measured)
+    decisions = decisions_for(gm, layers, choices, config, measured)
     planned_total = total - sum(d.exact_flops - d.planned_flops for d in decisions)
-    budget_met = planned_total <= target + 0.5 or budget >= 1.0
+    budget_met = auto or planned_total <= target + 0.5 or budget >= 1.0
     predicted = math.sqrt(summary.get("squared_error", 0.0)) if measured else None
     note = _note(budget, total, planned_total, budget_met, decisions, config, summary, predicted)
+    return assemble_plan(budget, method, total, decisions, config, note, summary if measured else None,
+                         budget_met)
+
+
+def assemble_plan(budget, method: str, total: float, decisions: list, config: ApproxConfig, note: str,
+                  summary: dict | None, budget_met: bool) -> Plan:
+    """The :class:`Plan` of ``decisions``; ``summary`` carries the measured policy's predictions (``None`` for the
+    other policies)."""
+    planned_total = total - sum(d.exact_flops - d.planned_flops for d in decisions)
+    summary = summary or {}
+    measured = bool(summary)
     return Plan(budget=budget, method=method, total_exact_flops=int(total),
                 total_planned_flops=int(planned_total), budget_met=budget_met, note=note,
-                layers=tuple(decisions), config=config.to_dict(), predicted_error=predicted)
+                layers=tuple(decisions), config=config.to_dict(),
+                predicted_error=math.sqrt(summary.get("squared_error", 0.0)) if measured else None,
+                predicted_step_error=math.sqrt(summary.get("step_squared_error", 0.0)) if measured else None,
+                predicted_speedup=summary.get("predicted_speedup"), predicted_gain=summary.get("predicted_gain"))
 
 
 # -- phase 4 -------------------------------------------------------------------------------------------------
@@ -535,14 +625,33 @@ def _note(budget, total, planned, met, decisions, config, summary, predicted) ->
     achieved = planned / total if total else 1.0
     if total == 0:
         return "the model does no measured FLOPs: nothing to approximate"
-    if budget >= 1.0:
+    if budget != AUTO_BUDGET and budget >= 1.0:
         return "budget 1.0: the plan is exact"
     sampled = sum(d.approximate for d in decisions)
+    payoff = summary.get("payoff")
+    if payoff is not None and summary.get("stopped_for_gain"):
+        gain = (f"predicted {summary['predicted_speedup']:.2f}x faster per step, {summary['predicted_steps']:.2f}x "
+                f"the steps: {summary['predicted_gain']:.2f}x sooner to the same loss")
+        asked = "budget auto" if budget == AUTO_BUDGET else f"budget {budget:g} not spent"
+        if not sampled:
+            unpaid = summary.get("unpaid")
+            best = f" (the best plan: {unpaid})" if unpaid else ""
+            return (f"{asked}: no sampled plan is predicted to reach a given loss sooner than exact training"
+                    f"{best}; the model trains exactly")
+        return (f"{asked}: {sampled} layer(s) sampled, planned {achieved:.3f} of exact training FLOPs, "
+                f"predicted model-gradient error {predicted:.3f}; {gain}. Sampling more is predicted to cost more "
+                f"training steps than it saves time")
+    if budget == AUTO_BUDGET:
+        return (f"budget auto: {sampled} layer(s) sampled, planned {achieved:.3f} of exact training FLOPs"
+                + ("" if predicted is None else f", predicted model-gradient error {predicted:.3f}"))
     if config.policy == "uniform":
         return (f"uniform recipe (keep-ratio {config.keep_ratio:g} for layers with >= {config.min_channels} "
                 f"channels): {sampled} layer(s) sampled, planned {achieved:.3f} of exact training FLOPs; "
                 f"budget {budget:g} {'met' if met else 'not met'}")
     error = "" if predicted is None else f", predicted model-gradient error {predicted:.3f}"
+    if payoff is not None and sampled:
+        error += (f"; predicted {summary['predicted_speedup']:.2f}x faster per step, {summary['predicted_steps']:.2f}x "
+                  f"the steps: {summary['predicted_gain']:.2f}x sooner to the same loss")
     if met:
         return (f"budget {budget:g} met: {sampled} layer(s) sampled, planned {achieved:.3f} of exact training "
                 f"FLOPs{error}")

@@ -26,7 +26,8 @@ For each layer that has candidates (see ``passes/candidates.py``):
 Writes ``errors`` (effective), ``bias``, ``noise``, ``seconds`` and ``speedup`` into each candidate dict,
 ``exact_seconds`` into the node's meta, and ``norms`` (of input, output, output gradient and, for
 layers with candidates, input gradient) into the meta of every parameterised node: the policy
-uses them to predict how far an error travels.
+uses them to predict how far an error travels. With timing on, the exact model's whole forward + backward
+is timed too (``gm.meta[EXACT_STEP_KEY]``): the step the layers' time savings are a part of.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from fxapprox.passes._meta import fx_meta
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
 from fxapprox.passes.candidates import parameterised
 
-__all__ = ["measure_candidates"]
+__all__ = ["EXACT_STEP_KEY", "measure_candidates", "time_exact_step"]
 
 #: methods whose runs differ only by top-k's small random share: one run measures their error
 _DETERMINISTIC = ("topk",)
@@ -181,6 +182,30 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
         candidate["speedup"] = shared["exact"] / seconds if seconds else None
 
 
+#: where the exact training step's measured seconds go (``gm.meta``): the policy's whole-step speed model
+EXACT_STEP_KEY = "fxapprox_exact_step_seconds"
+
+
+def time_exact_step(gm: torch.fx.GraphModule, example_inputs: tuple, repeats: int) -> float:
+    """Median seconds of the exact model's forward + backward (the projection loss) on the example inputs, after
+    one warm-up run: the whole step the layers' measured savings are a part of."""
+    from fxapprox._projection import projection_loss
+
+    parameters = [p for p in gm.parameters() if p.requires_grad]
+    synchronize = torch.cuda.synchronize if any(p.is_cuda for p in parameters) else (lambda: None)
+    times = []
+    for run in range(1 + repeats):
+        synchronize()
+        start = time.perf_counter()
+        loss = projection_loss(gm.forward(*example_inputs))   # not gm(): an ApproxGraphModule plans on call
+        if loss.requires_grad and parameters:
+            torch.autograd.grad(loss, parameters, allow_unused=True)
+        synchronize()
+        if run:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _candidate_key(candidate: dict) -> tuple:
     return (candidate["method"], candidate["mode"], candidate["k"], candidate["n"])
 
@@ -212,6 +237,8 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
                             f"{type(error).__name__}: {error}") from error
     lstm = LSTMBackward(config.lstm_granularity, config.lstm_block_steps)
     timings: dict = {}
+    if config.min_speedup is not None:
+        gm.meta[EXACT_STEP_KEY] = time_exact_step(gm, example_inputs, config.measure_repeats)
     nodes = [n for n in gm.graph.nodes if n in wanted]
     from rich.progress import Progress
 

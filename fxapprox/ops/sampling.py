@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from fxapprox._validate import check_share
+from fxapprox.ops._derived import local
 
 Selector = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
 
@@ -205,4 +206,11 @@ def select_pairs(method: str, scores: torch.Tensor, k: int,
     except KeyError:
         allowed = ", ".join(repr(m) for m in sorted(METHODS))
         raise ValueError(f"method must be one of {allowed}, got {method!r}") from None
-    return selector(scores, k, check_share("random_share", random_share))
+    random_share = check_share("random_share", random_share)
+    if getattr(local, "isolate_draws", None):
+        # A guarded step (fxapprox.guard): draw from a fork of the RNG, so that the layers' dropout draws the
+        # same masks as in the exact reference pass, which replays the step from the same RNG state.
+        devices = [scores.device] if scores.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            return selector(scores, k, random_share)
+    return selector(scores, k, random_share)

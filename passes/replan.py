@@ -1,0 +1,170 @@
+"""Re-plan from a check: the compute plan made again with measured errors in place of predicted ones.
+
+The guard (``fxapprox/guard.py``) measures, on one training step, what the plan predicted:
+
+* ``backward_error`` — the model-gradient error of the layers sampled in their backward (modes ``backward``,
+  ``weight_grad``; the LSTM) and of compressed activations: the user's gradient against the gradient of the same
+  forward with an exact backward. The plan predicts it as the root of the sum of those candidates' one-draw
+  contributions (``step_contribution``);
+* ``output_error`` — how far the model's output moves under forward sampling: ‖y − y_exact‖ / ‖y_exact‖. The plan
+  predicts it from each forward-sampled layer's own output error in one draw (errors adding in squares).
+
+Their squared ratios calibrate the two families' predicted contributions (``calibration(...)``). The check
+acts when the calibrated model-gradient error passes ``max_grad_error`` or the calibrated plan no longer pays
+(measured step speed-up ÷ predicted steps below ``min_gain``, ``fxapprox.passes.payoff``): each approximated
+layer may then take any of its own candidates that saves no more FLOPs than it does now (a higher keep-ratio,
+another mode or method) or become exact, with the calibrated contributions and the measured speed, by the same
+least-error allocation the plan was made with, stopping where the predicted gain is highest. Layers the plan
+left exact stay exact, so a re-plan only ever takes approximation away: checks cannot make plans oscillate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch.fx
+
+from fxapprox.config import ApproxConfig
+from fxapprox.plan import Plan
+from fxapprox.passes._allocation import least_error_allocation
+from fxapprox.passes._meta import fx_meta, train_flops
+from fxapprox.passes.budget_policy import (Choice, _describe, _time_saved, assemble_plan, decisions_for,
+                                           gain_model, one_draw_errors)
+from fxapprox.passes.candidates import planned_layers
+
+__all__ = ["Calibration", "calibration", "predicted_families", "replan"]
+
+
+def _forward(candidate: dict) -> bool:
+    return candidate["mode"] == "forward"
+
+
+def predicted_families(gm: torch.fx.GraphModule) -> dict:
+    """What the current plan predicts for one step, by family: ``backward_step`` (squared one-draw gradient
+    error of the backward family), ``output`` (squared output error of the forward family), and both families'
+    effective squared contributions (``backward``, ``forward``)."""
+    totals = {"backward_step": 0.0, "output": 0.0, "backward": 0.0, "forward": 0.0}
+    for node in gm.graph.nodes:
+        chosen = fx_meta(node).get("chosen")
+        if not chosen or "contribution" not in chosen:
+            continue
+        if _forward(chosen):
+            totals["forward"] += _raw(chosen, "contribution")
+            totals["output"] += one_draw_errors(chosen).get("output", 0.0) ** 2
+        else:
+            totals["backward"] += _raw(chosen, "contribution")
+            totals["backward_step"] += _raw(chosen, "step_contribution")
+    return totals
+
+
+def _raw(candidate: dict, key: str) -> float:
+    """A candidate's predicted contribution as planned (a re-plan's options carry calibrated ones beside it)."""
+    return candidate.get("raw_" + key, candidate.get(key, 0.0))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured ÷ predicted, squared, per family (1.0 where the family is absent or its prediction is 0)."""
+
+    backward: float
+    forward: float
+
+    def scale(self, candidate: dict) -> float:
+        return self.forward if _forward(candidate) else self.backward
+
+
+def calibration(predicted: dict, backward_error: float, output_error: float, memory_error: float = 0.0) -> Calibration:
+    """The factors from one check's measurements (``memory_error``: the memory plan's predicted share of the
+    backward family, which the re-plan does not change)."""
+    def ratio(measured: float, expected: float) -> float:
+        return measured ** 2 / expected if expected > 1e-12 else 1.0
+    return Calibration(ratio(backward_error, predicted["backward_step"] + memory_error ** 2),
+                       ratio(output_error, predicted["output"]))
+
+
+def calibrated_error(predicted: dict, factors: Calibration) -> float:
+    """The plan's effective model-gradient error with each family's contributions scaled by its factor."""
+    return math.sqrt(factors.backward * predicted["backward"] + factors.forward * predicted["forward"])
+
+
+def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_speedup: float, step: int,
+           config: ApproxConfig, why: str) -> Plan:
+    """The plan re-made with calibrated errors (see the module docstring); ``gm``'s meta records the new choices.
+
+    ``measured_speedup`` corrects the planning-time speed model: the layers' measured time savings are scaled
+    so that the current plan's predicted step speed-up equals the measured one.
+    """
+    layers = planned_layers(gm)
+    by_name = {d.node: d for d in plan.layers}
+    total = sum(train_flops(n) for n in gm.graph.nodes)
+    payoff = gain_model(gm, total, config)
+    current = {n: fx_meta(n).get("chosen") for n in layers if by_name[n.name].approximate}
+    predicted_speedup = payoff.speedup(_time_saved(current), sum(train_flops(n) - c["flops"]
+                                                                   for n, c in current.items())) if payoff else 1.0
+    time_scale = 1.0
+    if payoff is not None and predicted_speedup > 1.0 and measured_speedup > 0:
+        time_scale = max(0.0, (1.0 - 1.0 / measured_speedup) / (1.0 - 1.0 / predicted_speedup))
+    options: dict = {}
+    for node, chosen in current.items():
+        saving = train_flops(node) - chosen["flops"]
+        options[node] = []
+        for candidate in [chosen] + fx_meta(node).get("candidates", []):
+            if "contribution" not in candidate or candidate.get("blocked") is not None:
+                continue
+            if candidate is not chosen and config.min_speedup is not None and \
+                    (candidate.get("speedup") is None or candidate["speedup"] < config.min_speedup):
+                continue   # as in the plan: only candidates measured faster than the exact op
+            if train_flops(node) - candidate["flops"] > saving + 0.5:
+                continue   # a re-plan only takes approximation away
+            scale = factors.scale(candidate)
+            option = dict(candidate, saving=train_flops(node) - candidate["flops"],
+                          raw_contribution=_raw(candidate, "contribution"),
+                          raw_step_contribution=_raw(candidate, "step_contribution"),
+                          contribution=_raw(candidate, "contribution") * scale,
+                          step_contribution=_raw(candidate, "step_contribution") * scale)
+            if candidate.get("time_saving") is not None:
+                option["time_saving"] = candidate["time_saving"] * time_scale
+            option["predicted_error"] = math.sqrt(option["contribution"])
+            options[node].append(option)
+    objective = None
+    if payoff is not None:
+        def objective(chosen, saved, squared):
+            return payoff.gain(_time_saved(chosen), saved, squared)
+    needed = sum(train_flops(n) - c["flops"] for n, c in current.items())
+    chosen, saved, squared, _ = least_error_allocation(list(current), options, needed, config.max_grad_error,
+                                                       objective)
+    choices = {}
+    for node in layers:
+        decision = by_name[node.name]
+        if node not in current:
+            choices[node] = Choice(None, decision.reason)
+        elif node in chosen:
+            option = chosen[node]
+            unchanged = (option["mode"], option["method"], option["k"]) == (decision.mode, decision.method, decision.k)
+            reason = decision.reason if unchanged else f"re-planned at step {step} ({why}): {_describe(option)}"
+            choices[node] = Choice(option, reason, option["predicted_error"])
+        else:
+            choices[node] = Choice(None, f"re-planned at step {step} ({why}): exact")
+    decisions = decisions_for(gm, layers, choices, config, measured=True)
+    previous = {d.node: d for d in plan.layers}
+    decisions = [dataclasses.replace(d, save_input=previous[d.node].save_input,
+                                     save_input_reason=previous[d.node].save_input_reason)
+                 if d.approximate and d.mode == "forward" and previous[d.node].mode == "forward" else d
+                 for d in decisions]
+    summary = {"squared_error": squared,
+               "step_squared_error": sum(c["step_contribution"] for c in chosen.values())}
+    if payoff is not None:
+        summary["predicted_speedup"] = payoff.speedup(_time_saved(chosen), saved)
+        summary["predicted_steps"] = payoff.steps(squared)
+        summary["predicted_gain"] = summary["predicted_speedup"] / summary["predicted_steps"]
+    sampled = sum(d.approximate for d in decisions)
+    planned = (total - saved) / total if total else 1.0
+    note = (f"re-planned at step {step} ({why}): {sampled} layer(s) sampled, planned {planned:.3f} of exact training "
+            f"FLOPs, calibrated model-gradient error {math.sqrt(squared):.3f}")
+    if payoff is not None and sampled:
+        note += "; " + payoff.describe(_time_saved(chosen), saved, squared)
+    return dataclasses.replace(assemble_plan(plan.budget, plan.method, total, decisions, config, note, summary,
+                                             plan.budget_met and saved >= needed - 0.5),
+                               memory=plan.memory, untraced=plan.untraced)
