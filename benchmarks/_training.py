@@ -3,9 +3,12 @@
 A configuration is a label:
 
 * ``exact`` — the plain model;
-* ``B`` (a number) — ``fxapprox.approximate(model, B)`` with the guard off (``check_every=None``);
-* ``B+guard`` — the same with the default guard;
-* ``auto`` — ``fxapprox.approximate(model, "auto")`` (default guard);
+* ``B`` (a number) — ``fxapprox.approximate(model, B)``: the defaults (the pay-off model, the guard);
+* ``B-guard`` — the same with the guard off (``check_every=None``);
+* ``B spent`` — the budget spent regardless of the pay-off model (``min_gain=None``), guard off: what the
+  measured policy did before it had a pay-off model;
+* ``B spent+guard`` — the same with the default guard (which then acts on the tolerance only);
+* ``auto`` — ``fxapprox.approximate(model, "auto")``;
 * ``fixed MODE METHOD RATIO`` — every eligible layer pinned to one mode, method and keep-ratio (no timing, no
   tolerance), the guard measuring only (``check_replan=False``, every 10 steps): calibration points.
 
@@ -36,9 +39,12 @@ def approximate(model: nn.Module, label: str, example: tuple) -> nn.Module:
     if label == "auto":
         return fxapprox.approximate(model, "auto", example_inputs=example,
                                     config=ApproxConfig(check_verbose=False))
-    budget, _, guard = label.partition("+")
-    config = ApproxConfig(check_verbose=False) if guard == "guard" else ApproxConfig(check_every=None)
-    return fxapprox.approximate(model, float(budget), example_inputs=example, config=config)
+    budget, _, variant = label.partition(" ")
+    guard = not label.endswith("-guard") and (not variant or variant.endswith("+guard"))
+    defaults = ApproxConfig()
+    config = ApproxConfig(check_verbose=False, check_every=defaults.check_every if guard else None,
+                          min_gain=None if variant.startswith("spent") else defaults.min_gain)
+    return fxapprox.approximate(model, float(budget.removesuffix("-guard")), example_inputs=example, config=config)
 
 
 def train(workload, label: str, seed: int, steps: int | None = None, log=None) -> dict:

@@ -117,7 +117,8 @@ def estimators(seeds: int) -> str:
         row = [method]
         settings = [("flops", 0.5, None), ("flops", 0.5, "backward"), ("measured", 0.75, None)]
         for policy, budget, mode in settings:
-            config = ApproxConfig(policy=policy, mode=mode, min_speedup=None, max_grad_error=None)
+            config = ApproxConfig(policy=policy, mode=mode, min_speedup=None, max_grad_error=None, min_gain=None,
+                                  check_every=None)
             if policy == "flops" and method == "auto":
                 row += ["-", "-"]
                 continue

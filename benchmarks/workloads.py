@@ -201,8 +201,10 @@ class TinyLlama(nn.Module):
 
     def forward(self, tokens):
         x = self.embed(tokens)
+        # torch.narrow rather than slicing: under torch.fx the length is a Proxy, which a plain slice of a buffer
+        # cannot take
         steps = tokens.shape[1]
-        cos, sin = self.cos[:steps], self.sin[:steps]
+        cos, sin = torch.narrow(self.cos, 0, 0, steps), torch.narrow(self.sin, 0, 0, steps)
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.head(self.norm(x))

@@ -150,7 +150,7 @@ class ApproxGraphModule(torch.fx.GraphModule):
             state["saving"] = SavingOptions(config.activation_group_size, config.activation_rounding,
                                             config.activation_compile)
         state["plan"] = plan
-        state["report"] = Report(plan, state["model_name"], _shapes(inputs))
+        state["report"] = Report(plan, state["model_name"], _shapes(inputs), state["history"])
         self.set_approximate(state["enabled"])
         return plan
 
@@ -194,7 +194,7 @@ class ApproxGraphModule(torch.fx.GraphModule):
         rewrite_saved_activations(self, memory_plan)
         plan = dataclasses.replace(plan, memory=memory_plan)
         state["plan"] = plan
-        state["report"] = Report(plan, state["model_name"], _shapes(inputs))
+        state["report"] = Report(plan, state["model_name"], _shapes(inputs), state["history"])
         state["replans"] = state.get("replans", 0) + 1
         return plan
 
@@ -328,9 +328,6 @@ class ApproxGraphModule(torch.fx.GraphModule):
             backward_error = 0.0 if forward else model_error
         families = predicted_families(self)
         memory_error = plan.memory.predicted_error if plan.memory is not None else None
-        factors = calibration(families, backward_error, measured["output_error"], memory_error or 0.0)
-        calibrated = math.hypot(calibrated_error(families, factors),
-                                math.sqrt(factors.backward) * (memory_error or 0.0))
         layers = []
         for decision in plan.approximated:
             names = self._layer_parameters(decision)
@@ -340,13 +337,21 @@ class ApproxGraphModule(torch.fx.GraphModule):
                                      planned_error=decision.isolated_grad_error,
                                      measured_error=errors.get(decision.target)))
         alignment, cosine = alignment_and_cosine(exact, approx)
+        # Under DDP each rank checked its own shard of the batch: every rank acts on the ranks' mean, so all make
+        # the same decision and the plans stay in agreement.
+        model_error, backward_error, output_error, exact_seconds, approx_seconds = _mean_over_ranks(
+            [model_error, backward_error, measured["output_error"], measured["exact_seconds"],
+             measured["approx_seconds"]], next(iter(exact.values())).device)
+        factors = calibration(families, backward_error, output_error, memory_error or 0.0, model_error)
+        calibrated = math.hypot(calibrated_error(families, factors),
+                                math.sqrt(factors.backward) * (memory_error or 0.0))
         record = CheckRecord(step=step, model_error=model_error, predicted_error=plan.predicted_step_error,
                              backward_error=backward_error,
                              predicted_backward_error=math.sqrt(families["backward_step"] + (memory_error or 0) ** 2),
-                             output_error=measured["output_error"],
+                             output_error=output_error,
                              predicted_output_error=math.sqrt(families["output"]),
                              calibrated_error=calibrated, alignment=alignment, cosine=cosine,
-                             exact_seconds=measured["exact_seconds"], approx_seconds=measured["approx_seconds"],
+                             exact_seconds=exact_seconds, approx_seconds=approx_seconds,
                              layers=tuple(layers), planned_flops=plan.achieved)
         record = self._act_on_check(record, factors)
         state["history"].append(record)
@@ -370,10 +375,13 @@ class ApproxGraphModule(torch.fx.GraphModule):
                        f"{config.max_grad_error:g}")
         gain = None
         if payoff is not None and speedup is not None and plan.approximated:
-            gain = speedup / payoff.steps(record.calibrated_error ** 2)
+            # Steps from what this step measured: each family's error squared times its cost (passes/payoff.py).
+            steps = payoff.steps(config.backward_error_cost * record.backward_error ** 2
+                                 + config.forward_error_cost * record.output_error ** 2)
+            gain = speedup / steps
             if gain < config.min_gain:
-                why.append(f"{speedup:.2f}x faster per step but {payoff.steps(record.calibrated_error ** 2):.2f}x "
-                           f"the steps: {gain:.2f}x < min_gain {config.min_gain:g}")
+                why.append(f"{speedup:.2f}x faster per step but {steps:.2f}x the steps: {gain:.2f}x < min_gain "
+                           f"{config.min_gain:g}")
         if not why or not plan.approximated:
             note = "within the tolerance" + ("" if gain is None else f", predicted {gain:.2f}x sooner to a given loss")
             return dataclasses.replace(record, note=note if plan.approximated else "nothing sampled")
@@ -411,7 +419,7 @@ class ApproxGraphModule(torch.fx.GraphModule):
             else:
                 module.fxapprox_spec = dataclasses.replace(spec, k=spec.n)
         state["plan"] = plan
-        state["report"] = Report(plan, state["model_name"], state["report"].input_shapes)
+        state["report"] = Report(plan, state["model_name"], state["report"].input_shapes, state["history"])
 
     # -- public surface ---------------------------------------------------
     @property
@@ -550,6 +558,19 @@ def _rebuild_approx_graph_module(body: dict, records: list[tuple], codegen, clas
     for key, value in body.items():
         module.__dict__[key] = value
     return module
+
+
+def _mean_over_ranks(values: list[float], device) -> list[float]:
+    """``values`` averaged over the ranks of the default process group (unchanged when not distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    if dist.get_backend() == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return (tensor / dist.get_world_size()).tolist()
 
 
 def _as_tuple(example_inputs) -> tuple:

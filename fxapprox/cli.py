@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--min-speedup", default="1.05",
                          help="measured policy: a candidate must run this much faster than the exact op, or 'none' "
                               "to skip timing (1.05)")
+        sub.add_argument("--min-gain", default="1.05",
+                         help="measured policy: predicted speed-up / predicted extra steps a plan must reach to be "
+                              "used, or 'none' to spend the budget regardless (1.05)")
         sub.add_argument("--seed", type=int, default=0, help="seed for the random model and input (0)")
 
     report = commands.add_parser("report", help="plan a model and print the rewrite report")
@@ -131,7 +134,8 @@ def _checked_arguments(args, progress: bool = False):
         config = fxapprox.ApproxConfig(
             policy=args.policy, progress=progress,
             max_grad_error=_optional_number(args.max_grad_error, "--max-grad-error"),
-            min_speedup=_optional_number(args.min_speedup, "--min-speedup"))
+            min_speedup=_optional_number(args.min_speedup, "--min-speedup"),
+            min_gain=_optional_number(args.min_gain, "--min-gain"))
     except (TypeError, ValueError) as error:
         raise CliError(str(error)) from None
     return shape, budget, memory_budget, config

@@ -171,6 +171,23 @@ class ApproxConfig:
       first training step compiles them, ~1 min on a laptop CPU); ``False`` runs
       the same code eagerly.
 
+    Pay-off and the guard (``docs/loss_per_second.md``):
+
+    - ``min_gain``: the measured policy's plan must be predicted to reach a given loss
+      at least this much sooner than exact training (predicted step speed-up ÷ predicted
+      steps); it stops sampling where the predicted gain peaks and keeps the model exact
+      when the peak is below this. ``None``: spend the budget regardless.
+    - ``backward_error_cost`` / ``forward_error_cost``: predicted extra steps per squared
+      error of each family — one step's gradient error for layers sampled in their
+      backward (and compressed activations), the model output's relative error for
+      layers sampled in their forward (``fxapprox.passes.payoff``). Fitted to fixed-plan
+      training runs (``benchmarks/bench_loss_per_second.py calibrate``).
+    - ``check_every``: every this many training steps, measure the approximate gradient
+      against an exact backward on the same batch (``approx.history``) and re-plan when
+      the error passes ``max_grad_error`` or the plan stops paying; ``None``: no guard.
+    - ``check_replan``: act on a check (``False``: measure and record only).
+    - ``check_verbose``: print one line per check.
+
     Example::
 
         >>> cfg = ApproxConfig(overrides=(LayerOverride("fc", exclude=True),), min_channels=64)
@@ -204,7 +221,8 @@ class ApproxConfig:
     activation_policy: str = "measured"
     activation_recompute: bool | str = "auto"
     activation_replan_every: int | None = None
-    error_cost: float = 4.0
+    backward_error_cost: float = 4.4
+    forward_error_cost: float = 67.0
     min_gain: float | None = 1.05
     check_every: int | None = 50
     check_replan: bool = True
@@ -273,7 +291,8 @@ class ApproxConfig:
         check_choice("activation_policy", self.activation_policy, ("measured", "width"))
         if self.activation_replan_every is not None:
             check_int("activation_replan_every", self.activation_replan_every, minimum=1)
-        check_positive("error_cost", self.error_cost)
+        check_positive("backward_error_cost", self.backward_error_cost)
+        check_positive("forward_error_cost", self.forward_error_cost)
         if self.min_gain is not None:
             check_positive("min_gain", self.min_gain)
         if self.check_every is not None:
@@ -344,7 +363,8 @@ class ApproxConfig:
             "activation_policy": self.activation_policy,
             "activation_recompute": self.activation_recompute,
             "activation_replan_every": self.activation_replan_every,
-            "error_cost": self.error_cost,
+            "backward_error_cost": self.backward_error_cost,
+            "forward_error_cost": self.forward_error_cost,
             "min_gain": self.min_gain,
             "check_every": self.check_every,
             "check_replan": self.check_replan,

@@ -24,6 +24,7 @@ Peak memory on a checked step holds the exact pass's saved activations beside th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -328,17 +329,10 @@ class CheckStep:
         return {n: (g.detach() if g is not None else None) for n, g in zip(aliases, grads)}, seconds, output_error
 
 
-class _autocast:
+@contextlib.contextmanager
+def _autocast(regions):
     """Re-enter the autocast regions the user's forward ran under (the reference pass runs in backward)."""
-
-    def __init__(self, regions) -> None:
-        self.contexts = [torch.autocast(device, dtype=dtype) for device, dtype in regions]
-
-    def __enter__(self):
-        for context in self.contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc):
-        for context in reversed(self.contexts):
-            context.__exit__(*exc)
-        return False
+    with contextlib.ExitStack() as stack:
+        for device, dtype in regions:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield

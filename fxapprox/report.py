@@ -43,6 +43,14 @@ def _untraced_lines(plan: Plan) -> str:
     return "".join(lines)
 
 
+def _check_summary(check) -> str:
+    predicted = "-" if check.predicted_error is None else f"{check.predicted_error:.3f}"
+    return (f"model-gradient error measured {check.model_error:.3f} (one step; predicted {predicted}), backward "
+            f"{check.backward_error:.3f} (predicted {check.predicted_backward_error:.3f}), output "
+            f"{check.output_error:.3f} (predicted {check.predicted_output_error:.3f}); step {check.speedup:.2f}x "
+            f"faster than exact; {check.action}: {check.note}")
+
+
 class Report:
     """What :func:`fxapprox.approximate` planned for a model.
 
@@ -54,10 +62,13 @@ class Report:
         >>> json.dumps(approx.report.to_dict())
     """
 
-    def __init__(self, plan: Plan, model_name: str, input_shapes: list) -> None:
+    def __init__(self, plan: Plan, model_name: str, input_shapes: list, history=None) -> None:
         self.plan = plan
         self.model_name = model_name
         self.input_shapes = input_shapes
+        #: the guard's checks (:class:`~fxapprox.guard.TrainingHistory`, shared with the module: it grows as
+        #: training runs); the report shows the last check's measured errors beside the predicted ones
+        self.history = history
 
     # -- data -------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -65,7 +76,10 @@ class Report:
         total = self.plan.total_exact_flops or 1
         for layer in plan["layers"]:
             layer["flops_share"] = layer["exact_flops"] / total
-        return {"model": self.model_name, "input_shapes": self.input_shapes, **plan}
+        data = {"model": self.model_name, "input_shapes": self.input_shapes, **plan}
+        if self.history:
+            data["history"] = self.history.to_dict()
+        return data
 
     # -- rendering --------------------------------------------------------
     def _table(self, plain: bool) -> Table:
@@ -118,6 +132,22 @@ class Report:
                       f"{memory.achieved:.3f} of exact ({'met' if memory.budget_met else 'NOT met'})")
         return table
 
+    def _guard_table(self, plain: bool) -> Table | None:
+        if not self.history:
+            return None
+        last = self.history[-1]
+        table = Table(title=f"guard: {len(self.history)} check(s), {self.history.replans} re-plan(s); last at step "
+                            f"{last.step}", box=box.ASCII if plain else box.SIMPLE_HEAVY,
+                      caption=_check_summary(last), caption_justify="left")
+        for name, justify in (("layer", "left"), ("method", "left"), ("mode", "left"), ("keep", "right"),
+                              ("planned error (alone)", "right"), ("measured error (in the model)", "right")):
+            table.add_column(name, justify=justify, overflow="fold")
+        for layer in last.layers:
+            table.add_row(layer.target, layer.method or "exact", layer.mode or "-", f"{layer.keep_ratio:.2f}",
+                          "-" if layer.planned_error is None else f"{layer.planned_error:.3f}",
+                          "-" if layer.measured_error is None else f"{layer.measured_error:.3f}")
+        return table
+
     def _caption(self) -> str:
         plan = self.plan
         error = "" if plan.predicted_error is None else (
@@ -133,9 +163,9 @@ class Report:
         buffer = io.StringIO()
         console = Console(file=buffer, width=400, color_system=None, force_terminal=False, highlight=False)
         console.print(self._table(plain=True))
-        memory = self._memory_table(plain=True)
-        if memory is not None:
-            console.print(memory)
+        for extra in (self._memory_table(plain=True), self._guard_table(plain=True)):
+            if extra is not None:
+                console.print(extra)
         return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
 
     def __repr__(self) -> str:
@@ -152,6 +182,6 @@ class Report:
             if not console.is_terminal:  # piped: do not fold the table into 80 columns
                 console = Console(width=240)
         console.print(self._table(plain=False))
-        memory = self._memory_table(plain=False)
-        if memory is not None:
-            console.print(memory)
+        for extra in (self._memory_table(plain=False), self._guard_table(plain=False)):
+            if extra is not None:
+                console.print(extra)

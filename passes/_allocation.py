@@ -14,9 +14,10 @@ from __future__ import annotations
 _TOLERANCE = 1e-9
 
 
-def lower_hull(options: list[dict]) -> list[dict]:
-    """The options on the lower convex hull of (saving, contribution) from (0, 0), by saving."""
-    points = sorted(((o["saving"], o["contribution"], i) for i, o in enumerate(options) if o["saving"] > 0))
+def lower_hull(options: list[dict], x: str = "saving", y: str = "contribution") -> list[dict]:
+    """The options on the lower convex hull of (``x``, ``y``) from (0, 0), by ``x`` (options with ``x`` ≤ 0 left
+    out)."""
+    points = sorted(((o[x], o[y], i) for i, o in enumerate(options) if o[x] is not None and o[x] > 0))
     hull: list[tuple] = [(0, 0.0, None)]
     for point in points:
         if point[0] == hull[-1][0] and point[1] >= hull[-1][1]:
@@ -33,11 +34,14 @@ def lower_hull(options: list[dict]) -> list[dict]:
 
 
 def least_error_allocation(items: list, options: dict, needed: float, error_cap: float | None,
-                           objective=None) -> tuple[dict, float, float, set]:
+                           objective=None, rate: tuple[str, str] = ("saving", "contribution")
+                           ) -> tuple[dict, float, float, set]:
     """``(chosen option per item, saved, total contribution, items whose next step the cap refused)``.
 
     ``objective(chosen, saved, total)``: when given, the steps stop at the prefix where it is highest (the
-    empty prefix included): taking more would lower it.
+    empty prefix included): taking more would lower it. ``rate``: the (benefit, cost) keys whose hull the
+    steps follow, cheapest cost per benefit first (``("time_saving", "step_cost")`` walks towards the highest
+    speed-up per extra step; the budget is still counted in ``saving``, the cap in ``contribution``).
 
     Example::
 
@@ -45,13 +49,23 @@ def least_error_allocation(items: list, options: dict, needed: float, error_cap:
         >>> least_error_allocation(["a", "b"], opts, 10, None)[0]
         {'b': {'saving': 10, 'contribution': 0.1}}
     """
+    benefit, cost = rate
     steps = []
+    refused: set = set()   # items with options the cap refuses on their own
     for order, item in enumerate(items):
-        previous_saving, previous_error = 0, 0.0
-        for depth, option in enumerate(lower_hull(options.get(item, []))):
+        previous, previous_saving, previous_error = (0.0, 0.0), 0, 0.0
+        # Options past the cap on their own can never be taken: left out before the hull, so that a hull on
+        # another rate does not hide an item's smaller, admissible options behind them.
+        admissible = [o for o in options.get(item, []) if error_cap is None
+                      or o["contribution"] <= error_cap ** 2 + _TOLERANCE]
+        if len(admissible) < len(options.get(item, [])):
+            refused.add(item)
+        for depth, option in enumerate(lower_hull(admissible, benefit, cost)):
             extra_saving, extra_error = option["saving"] - previous_saving, option["contribution"] - previous_error
-            steps.append((extra_error / extra_saving, order, depth, item, option, extra_saving, extra_error))
-            previous_saving, previous_error = option["saving"], option["contribution"]
+            key = (option[cost] - previous[1]) / (option[benefit] - previous[0])
+            steps.append((key, order, depth, item, option, extra_saving, extra_error))
+            previous, previous_saving, previous_error = (option[benefit], option[cost]), option["saving"], \
+                option["contribution"]
     steps.sort(key=lambda s: s[:3])
     chosen: dict = {}
     saved, total = 0.0, 0.0
@@ -72,6 +86,7 @@ def least_error_allocation(items: list, options: dict, needed: float, error_cap:
             value = objective(chosen, saved, total)
             if value > best[0] + _TOLERANCE:
                 best = (value, dict(chosen), saved, total)
+    capped |= refused
     if objective is not None:
         _, chosen, saved, total = best
     for item in reversed(list(chosen)):

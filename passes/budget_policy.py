@@ -79,7 +79,7 @@ from fxapprox.passes._meta import fx_meta, train_flops
 from fxapprox.passes.candidates import enumerate_candidates, parameterised, planned_layers
 from fxapprox.passes.graph_view import target_name, to_networkx
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY
-from fxapprox.passes.payoff import GainModel
+from fxapprox.passes.payoff import GainModel, step_cost
 
 _TOLERANCE = 1e-9
 #: ``approximate(model, budget="auto")``: the policy chooses the FLOPs (the plan with the highest predicted gain)
@@ -225,6 +225,7 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
             candidate["step_contribution"] = predicted_contribution(
                 one_draw_errors(candidate), weights.get(node.name, 0.0), owners, candidate["mode"],
                 candidate.get("bias"), candidate.get("noise"), head=node.name in heads)
+            candidate["step_cost"] = step_cost(candidate, config.backward_error_cost, config.forward_error_cost)
         fast = [c for c in measured if config.min_speedup is None or
                 (c.get("speedup") is not None and c["speedup"] >= config.min_speedup)]
         if meta.get("pinned_ratio") is not None:
@@ -245,6 +246,7 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
     fixed_saving = sum(_saving(n, c) for n, c in pinned.items())
     fixed_error = sum(c["contribution"] for c in pinned.values())
     fixed_step_error = sum(c["step_contribution"] for c in pinned.values())
+    fixed_cost = sum(c["step_cost"] for c in pinned.values())
     needed = max(0.0, total - target - fixed_saving)
     free = [n for n in layers if n in usable]
     cap = None
@@ -265,27 +267,43 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
     fixed_time = _time_saved(pinned)
     payoff = gain_model(gm, total, config)
     objective = None
+    peak: dict = {}
     if payoff is not None:
         def objective(chosen, saved, squared):
-            return payoff.gain(_add(fixed_time, _time_saved(chosen)), fixed_saving + saved, fixed_error + squared)
-    chosen, saved, squared, capped = least_error_allocation(free, usable, needed, cap, objective)
+            time_saved, flops_saved, cost = _add(fixed_time, _time_saved(chosen)), fixed_saving + saved, \
+                fixed_cost + _cost(chosen)
+            value = payoff.gain(time_saved, flops_saved, cost)
+            if chosen and value > peak.get("gain", -math.inf):   # the best sampled plan, for the note
+                peak.update(gain=value, text=f"{(total - flops_saved) / total:.2f} of the FLOPs, "
+                                             + payoff.describe(time_saved, flops_saved, cost))
+            return value
+    # With the pay-off model and timed candidates, walk towards the most time saved per extra step.
+    timed = objective is not None and all(c.get("time_saving") is not None for n in free for c in usable[n])
+    rate = ("time_saving", "step_cost") if timed else ("saving", "contribution")
+    chosen, saved, squared, capped = least_error_allocation(free, usable, needed, cap, objective, rate)
     if chosen and saved > needed + _TOLERANCE:
         squared += _raise_last_ratio(chosen, usable, saved - needed)
     # The same allocation without the tolerance: what meeting the budget would cost (for the note).
     uncapped, uncapped_saved, uncapped_squared, _ = least_error_allocation(free, usable, needed, None)
     if uncapped and uncapped_saved > needed + _TOLERANCE:
         uncapped_squared += _raise_last_ratio(uncapped, usable, uncapped_saved - needed)
-    stopped_for_gain = payoff is not None and saved < needed - _TOLERANCE and not capped
+    stopped_for_gain = False
+    if payoff is not None and saved < needed - _TOLERANCE:
+        # Stopped by the gain when the walk without it (same cap) saves more than the objective kept.
+        walked = least_error_allocation(free, usable, needed, cap, None, rate)[1]
+        stopped_for_gain = saved < walked - _TOLERANCE or not capped
     if payoff is not None and chosen:
-        gain = payoff.gain(_add(fixed_time, _time_saved(chosen)), fixed_saving + saved, fixed_error + squared)
+        gain = payoff.gain(_add(fixed_time, _time_saved(chosen)), fixed_saving + saved, fixed_cost + _cost(chosen))
         if gain < config.min_gain:
-            summary["unpaid"] = payoff.describe(_add(fixed_time, _time_saved(chosen)), fixed_saving + saved,
-                                                fixed_error + squared)
+            summary["unpaid"] = f"{(total - fixed_saving - saved) / total:.2f} of the FLOPs, " + payoff.describe(
+                _add(fixed_time, _time_saved(chosen)), fixed_saving + saved, fixed_cost + _cost(chosen))
             chosen, saved, squared, stopped_for_gain = {}, 0.0, 0.0, True
+    if payoff is not None and not chosen and "unpaid" not in summary and peak:
+        summary["unpaid"] = peak["text"]
     if payoff is not None:
         summary.update(payoff=payoff, predicted_speedup=payoff.speedup(_add(fixed_time, _time_saved(chosen)),
                                                                        fixed_saving + saved),
-                       predicted_steps=payoff.steps(fixed_error + squared))
+                       predicted_steps=payoff.steps(fixed_cost + _cost(chosen)))
         summary["predicted_gain"] = summary["predicted_speedup"] / summary["predicted_steps"]
     summary.update(squared_error=fixed_error + squared, capped=bool(capped), stopped_for_gain=stopped_for_gain,
                    step_squared_error=fixed_step_error + sum(c["step_contribution"] for c in chosen.values()),
@@ -324,11 +342,16 @@ def _time_saved(chosen: dict) -> float | None:
     return total
 
 
+def _cost(chosen: dict) -> float:
+    """The chosen candidates' predicted extra steps (``fxapprox.passes.payoff``)."""
+    return sum(c.get("step_cost", 0.0) for c in chosen.values())
+
+
 def gain_model(gm: torch.fx.GraphModule, total_flops: float, config: ApproxConfig) -> GainModel | None:
     """The plan's pay-off model (``None`` when ``config.min_gain`` is ``None``: the budget is spent regardless)."""
     if config.min_gain is None:
         return None
-    return GainModel(gm.meta.get(EXACT_STEP_KEY), total_flops, config.error_cost)
+    return GainModel(gm.meta.get(EXACT_STEP_KEY), total_flops)
 
 
 def _interpolate(low: dict, high: dict | None, weight: float, key: str):
@@ -365,7 +388,7 @@ def _raise_last_ratio(chosen: dict, usable: dict, overshoot: float) -> float:
     raised = dict(low, k=k, keep_ratio=k / n, interpolated=True)
     raised["flops"] = handler_for(meta).candidate_flops(meta, low["mode"], k / n)
     raised["saving"] = train_flops(node) - raised["flops"]
-    for key in ("contribution", "step_contribution", "speedup", "errors", "bias", "noise"):
+    for key in ("contribution", "step_contribution", "step_cost", "speedup", "errors", "bias", "noise"):
         raised[key] = _interpolate(low, high, weight, key)
     if low.get("time_saving") is not None:
         high_saving = 0.0 if high is None else high.get("time_saving")
@@ -637,7 +660,7 @@ def _note(budget, total, planned, met, decisions, config, summary, predicted) ->
             unpaid = summary.get("unpaid")
             best = f" (the best plan: {unpaid})" if unpaid else ""
             return (f"{asked}: no sampled plan is predicted to reach a given loss sooner than exact training"
-                    f"{best}; the model trains exactly")
+                    f"{best}; the model trains exactly. min_gain=None spends the budget regardless")
         return (f"{asked}: {sampled} layer(s) sampled, planned {achieved:.3f} of exact training FLOPs, "
                 f"predicted model-gradient error {predicted:.3f}; {gain}. Sampling more is predicted to cost more "
                 f"training steps than it saves time")

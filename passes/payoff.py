@@ -2,21 +2,26 @@
 
 A plan changes two things: each training step takes less time (measured: the exact model's whole step and
 each sampled layer's time saving, ``measure_candidates``), and each step makes less progress, so more steps are
-needed to reach the same loss. The second is modelled from the plan's predicted model-gradient error ``E``
-(``budget_policy``): the plan needs
+needed to reach the same loss. The second is modelled per family of approximation, because the two families
+cost training differently for the same gradient error (``benchmarks/bench_loss_per_second.py calibrate``):
 
-    steps(E) = 1 + error_cost · E²
+* layers sampled in their **backward** (and compressed activations) add zero-mean noise to one step's gradient;
+  with ``e_b`` the one-step model-gradient error they cause (what the guard measures as ``backward_error``),
+  training needs ``1 + backward_error_cost · e_b²`` times the steps (noise added to SGD's own);
+* layers sampled in their **forward** change the function trained (a biased, dropout-like perturbation); with
+  ``e_f`` the model output's relative error they cause (the guard's ``output_error``), ``1 + forward_error_cost
+  · e_f²``.
 
-times the steps of exact training (``ApproxConfig.error_cost``, fitted to training runs:
-``benchmarks/bench_loss_per_second.py``, "calibration"). Its **gain** — how much sooner it reaches a given loss
-— is ``speed-up / steps(E)``; above 1 it is ahead of exact training at equal wall-clock. The measured policy
-stops sampling where more would lower the gain, and keeps the model exact when no plan's gain reaches
+So ``steps = 1 + backward_error_cost · e_b² + forward_error_cost · e_f²`` (the two ``ApproxConfig`` fields,
+fitted to fixed-plan training runs) and the plan's **gain** — how much sooner it reaches a given loss — is
+``speed-up / steps``; above 1 it is ahead of exact training at equal wall-clock. The measured policy stops
+sampling where more would lower the gain, and keeps the model exact when no plan's gain reaches
 ``ApproxConfig.min_gain``.
 
 Example::
 
-    >>> model = GainModel(exact_step_seconds=0.30, total_flops=1e12, error_cost=10.0)
-    >>> round(model.gain(time_saved=0.10, flops_saved=5e11, squared_error=0.01), 3)   # 1.5x faster, 1.1x steps
+    >>> model = GainModel(exact_step_seconds=0.30, total_flops=1e12)
+    >>> round(model.gain(time_saved=0.10, flops_saved=5e11, step_cost=0.1), 3)   # 1.5x faster, 1.1x the steps
     1.364
 """
 
@@ -24,7 +29,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GainModel"]
+__all__ = ["GainModel", "step_cost"]
+
+
+def step_cost(candidate: dict, backward_error_cost: float, forward_error_cost: float) -> float:
+    """A measured candidate's predicted extra steps (as a fraction of exact training's): its family's cost times
+    its share of that family's squared error (``step_contribution`` for the backward family, the layer's own
+    one-draw output error squared for the forward one)."""
+    if candidate["mode"] == "forward":
+        from fxapprox.passes.budget_policy import one_draw_errors
+
+        return forward_error_cost * one_draw_errors(candidate).get("output", 0.0) ** 2
+    return backward_error_cost * candidate.get("step_contribution", 0.0)
 
 
 @dataclass(frozen=True)
@@ -33,7 +49,6 @@ class GainModel:
 
     exact_step_seconds: float | None
     total_flops: float
-    error_cost: float
 
     def speedup(self, time_saved: float | None, flops_saved: float) -> float:
         """Predicted exact / approximate step time (the FLOP ratio when the step was not timed)."""
@@ -43,14 +58,15 @@ class GainModel:
         remaining = self.total_flops - flops_saved
         return self.total_flops / remaining if remaining > 0 else float("inf")
 
-    def steps(self, squared_error: float) -> float:
+    @staticmethod
+    def steps(step_cost: float) -> float:
         """Predicted steps to a given loss, as a multiple of exact training's."""
-        return 1.0 + self.error_cost * max(squared_error, 0.0)
+        return 1.0 + max(step_cost, 0.0)
 
-    def gain(self, time_saved: float | None, flops_saved: float, squared_error: float) -> float:
-        return self.speedup(time_saved, flops_saved) / self.steps(squared_error)
+    def gain(self, time_saved: float | None, flops_saved: float, step_cost: float) -> float:
+        return self.speedup(time_saved, flops_saved) / self.steps(step_cost)
 
-    def describe(self, time_saved: float | None, flops_saved: float, squared_error: float) -> str:
-        speedup, steps = self.speedup(time_saved, flops_saved), self.steps(squared_error)
+    def describe(self, time_saved: float | None, flops_saved: float, step_cost: float) -> str:
+        speedup, steps = self.speedup(time_saved, flops_saved), self.steps(step_cost)
         return (f"predicted {speedup:.2f}x faster per step, {steps:.2f}x the steps: "
                 f"{speedup / steps:.2f}x {'sooner' if speedup >= steps else 'later'} to the same loss")

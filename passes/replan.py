@@ -7,15 +7,20 @@ The guard (``fxapprox/guard.py``) measures, on one training step, what the plan 
   forward with an exact backward. The plan predicts it as the root of the sum of those candidates' one-draw
   contributions (``step_contribution``);
 * ``output_error`` — how far the model's output moves under forward sampling: ‖y − y_exact‖ / ‖y_exact‖. The plan
-  predicts it from each forward-sampled layer's own output error in one draw (errors adding in squares).
+  predicts it from each forward-sampled layer's own output error in one draw (errors adding in squares); it
+  calibrates the forward family's predicted extra steps (``fxapprox.passes.payoff``);
+* the forward family's gradient error — what the model-gradient error has beyond ``backward_error`` (errors
+  adding in squares): forward sampling's error is mostly bias, so one step shows it whole. It calibrates the
+  family's predicted effective contributions.
 
-Their squared ratios calibrate the two families' predicted contributions (``calibration(...)``). The check
-acts when the calibrated model-gradient error passes ``max_grad_error`` or the calibrated plan no longer pays
-(measured step speed-up ÷ predicted steps below ``min_gain``, ``fxapprox.passes.payoff``): each approximated
-layer may then take any of its own candidates that saves no more FLOPs than it does now (a higher keep-ratio,
-another mode or method) or become exact, with the calibrated contributions and the measured speed, by the same
-least-error allocation the plan was made with, stopping where the predicted gain is highest. Layers the plan
-left exact stay exact, so a re-plan only ever takes approximation away: checks cannot make plans oscillate.
+Their squared ratios against the predictions calibrate the families' predicted contributions
+(``calibration(...)``). The check acts when the calibrated model-gradient error passes ``max_grad_error`` or the
+calibrated plan no longer pays (measured step speed-up ÷ predicted steps below ``min_gain``,
+``fxapprox.passes.payoff``): each approximated layer may then take any of its own candidates that saves no more
+FLOPs than it does now (a higher keep-ratio, another mode or method) or become exact, with the calibrated
+contributions and the measured speed, by the same least-error allocation the plan was made with, stopping where
+the predicted gain is highest. Layers the plan left exact stay exact, so a re-plan only ever takes approximation
+away: checks cannot make plans oscillate.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from fxapprox.config import ApproxConfig
 from fxapprox.plan import Plan
 from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta, train_flops
-from fxapprox.passes.budget_policy import (Choice, _describe, _time_saved, assemble_plan, decisions_for,
+from fxapprox.passes.budget_policy import (Choice, _cost, _describe, _time_saved, assemble_plan, decisions_for,
                                            gain_model, one_draw_errors)
 from fxapprox.passes.candidates import planned_layers
 
@@ -66,22 +71,34 @@ def _raw(candidate: dict, key: str) -> float:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured ÷ predicted, squared, per family (1.0 where the family is absent or its prediction is 0)."""
+    """Measured ÷ predicted, squared, per family (1.0 where the family is absent or its prediction is 0):
+    ``backward`` scales the backward family's gradient errors and extra steps; ``forward`` the forward family's
+    gradient errors; ``output`` its extra steps (which are predicted from the output error)."""
 
     backward: float
     forward: float
+    output: float = 1.0
 
-    def scale(self, candidate: dict) -> float:
-        return self.forward if _forward(candidate) else self.backward
+    def scale(self, candidate: dict, key: str = "contribution") -> float:
+        if not _forward(candidate):
+            return self.backward
+        return self.output if key == "step_cost" else self.forward
 
 
-def calibration(predicted: dict, backward_error: float, output_error: float, memory_error: float = 0.0) -> Calibration:
+def calibration(predicted: dict, backward_error: float, output_error: float, memory_error: float = 0.0,
+                model_error: float | None = None) -> Calibration:
     """The factors from one check's measurements (``memory_error``: the memory plan's predicted share of the
-    backward family, which the re-plan does not change)."""
-    def ratio(measured: float, expected: float) -> float:
-        return measured ** 2 / expected if expected > 1e-12 else 1.0
-    return Calibration(ratio(backward_error, predicted["backward_step"] + memory_error ** 2),
-                       ratio(output_error, predicted["output"]))
+    backward family, which the re-plan does not change).
+
+    The forward family's gradient error is mostly bias (the same kept columns step after step), so one step
+    shows it whole: its measured share is what the model-gradient error has beyond the backward family's
+    (errors adding in squares), against the family's predicted effective contribution."""
+    def ratio(measured_sq: float, expected: float) -> float:
+        return measured_sq / expected if expected > 1e-12 else 1.0
+    forward_sq = output_error ** 2 if model_error is None else max(model_error ** 2 - backward_error ** 2, 0.0)
+    return Calibration(ratio(backward_error ** 2, predicted["backward_step"] + memory_error ** 2),
+                       ratio(forward_sq, predicted["forward"] if model_error is not None else predicted["output"]),
+                       ratio(output_error ** 2, predicted["output"]))
 
 
 def calibrated_error(predicted: dict, factors: Calibration) -> float:
@@ -123,7 +140,9 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
                           raw_contribution=_raw(candidate, "contribution"),
                           raw_step_contribution=_raw(candidate, "step_contribution"),
                           contribution=_raw(candidate, "contribution") * scale,
-                          step_contribution=_raw(candidate, "step_contribution") * scale)
+                          step_contribution=_raw(candidate, "step_contribution") * scale,
+                          raw_step_cost=_raw(candidate, "step_cost"),
+                          step_cost=_raw(candidate, "step_cost") * factors.scale(candidate, "step_cost"))
             if candidate.get("time_saving") is not None:
                 option["time_saving"] = candidate["time_saving"] * time_scale
             option["predicted_error"] = math.sqrt(option["contribution"])
@@ -131,10 +150,13 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
     objective = None
     if payoff is not None:
         def objective(chosen, saved, squared):
-            return payoff.gain(_time_saved(chosen), saved, squared)
+            return payoff.gain(_time_saved(chosen), saved, _cost(chosen))
     needed = sum(train_flops(n) - c["flops"] for n, c in current.items())
+    timed = objective is not None and all(o.get("time_saving") is not None for group in options.values()
+                                          for o in group)
+    rate = ("time_saving", "step_cost") if timed else ("saving", "contribution")
     chosen, saved, squared, _ = least_error_allocation(list(current), options, needed, config.max_grad_error,
-                                                       objective)
+                                                       objective, rate)
     choices = {}
     for node in layers:
         decision = by_name[node.name]
@@ -157,14 +179,14 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
                "step_squared_error": sum(c["step_contribution"] for c in chosen.values())}
     if payoff is not None:
         summary["predicted_speedup"] = payoff.speedup(_time_saved(chosen), saved)
-        summary["predicted_steps"] = payoff.steps(squared)
+        summary["predicted_steps"] = payoff.steps(_cost(chosen))
         summary["predicted_gain"] = summary["predicted_speedup"] / summary["predicted_steps"]
     sampled = sum(d.approximate for d in decisions)
     planned = (total - saved) / total if total else 1.0
     note = (f"re-planned at step {step} ({why}): {sampled} layer(s) sampled, planned {planned:.3f} of exact training "
             f"FLOPs, calibrated model-gradient error {math.sqrt(squared):.3f}")
     if payoff is not None and sampled:
-        note += "; " + payoff.describe(_time_saved(chosen), saved, squared)
+        note += "; " + payoff.describe(_time_saved(chosen), saved, _cost(chosen))
     return dataclasses.replace(assemble_plan(plan.budget, plan.method, total, decisions, config, note, summary,
                                              plan.budget_met and saved >= needed - 0.5),
                                memory=plan.memory, untraced=plan.untraced)

@@ -23,7 +23,7 @@ def test_report_json():
 
 def test_report_measured_policy_json():
     result = _run("report", "tests.test_cli:tiny_model", "--budget", "0.7", "--input-shape", "64,32", "--json",
-                  "--min-speedup", "none", "--max-grad-error", "none")
+                  "--min-speedup", "none", "--max-grad-error", "none", "--min-gain", "none")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["config"]["policy"] == "measured" and data["config"]["min_speedup"] is None

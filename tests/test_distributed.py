@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import socket
 from pathlib import Path
@@ -165,6 +166,25 @@ def _fsdp(rank: int) -> dict:
     return outcome
 
 
+def _guarded(rank: int) -> dict:
+    """The guard under DDP: each rank checks its own batch; a re-plan must come out the same on every rank."""
+    torch.manual_seed(0)
+    model = _mlp()
+    teacher = copy.deepcopy(model)
+    example = torch.randn(32, 64)
+    config = fxapprox.ApproxConfig(min_speedup=None, min_gain=None, max_grad_error=0.5, mode="backward",
+                                   min_channels=8, check_every=2, check_verbose=False)
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(example,), config=config)
+    approx._fxapprox_state["config"] = dataclasses.replace(config, max_grad_error=0.05)   # force a re-plan
+    ddp = DistributedDataParallel(approx)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches(rank, (32, 64), teacher, count=4):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    return {"plan": approx.plan.to_dict(), "history": approx.history.to_dict()}
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -177,6 +197,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         results["mlp bf16"] = _train(rank, _mlp(), (32, 64), dtype=torch.bfloat16)
         results["errors"] = _errors(rank)
         results["fsdp"] = _fsdp(rank)
+        results["guard"] = _guarded(rank)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -233,6 +254,14 @@ def test_an_approximated_model_trains_under_fsdp(results):
         assert sum(fsdp["losses"][-3:]) < 0.85 * sum(fsdp["losses"][:3]), fsdp["losses"]
         assert fsdp["eval_exact"] < 1e-5
         assert "DistributedDataParallel" in fsdp["refused"] and "FSDP" in fsdp["refused"]
+
+
+def test_guard_replans_the_same_on_every_rank(results):
+    keys = ("step", "model_error", "calibrated_error", "action", "note", "planned_flops")
+    histories = [[{k: record[k] for k in keys} for record in r["guard"]["history"]["records"]] for r in results]
+    assert histories[0] and histories[0][0]["action"] == "replanned"
+    assert all(h == histories[0] for h in histories[1:])   # the ranks' mean errors, the same decisions
+    assert all(r["guard"]["plan"] == results[0]["guard"]["plan"] for r in results[1:])
 
 
 def test_clear_errors(results):

@@ -67,9 +67,10 @@ def test_guard_measures_the_error_of_a_sampled_plan():
     assert record.cosine < 1.0
 
 
-def test_layer_past_the_tolerance_is_replanned_and_error_falls():
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_layer_past_the_tolerance_is_replanned_and_error_falls(mode):
     x, y = _data()
-    config = ApproxConfig(min_speedup=None, min_gain=None, max_grad_error=0.5, min_channels=8, mode="backward",
+    config = ApproxConfig(min_speedup=None, min_gain=None, max_grad_error=0.5, min_channels=8, mode=mode,
                           check_every=2, check_verbose=False)
     approx = fxapprox.approximate(_mlp(), 0.5, example_inputs=(x,), config=config)
     before = approx.plan
@@ -89,7 +90,12 @@ def test_layer_past_the_tolerance_is_replanned_and_error_falls():
     assert list(approx.state_dict()) == keys
     assert set(state_before) == {id(p) for p in optimizer.state} == set(params.values())
     later = approx.history[1:]
-    assert later and all(r.model_error < first.model_error for r in later)
+    if approx.plan.approximated:   # still sampled: the checks go on and measure less error
+        assert later and all(r.model_error < first.model_error for r in later)
+    else:   # re-planned to exact: every sampled module keeps all its pairs, nothing is left to check
+        assert not later
+        specs = [m.fxapprox_spec for m in approx.modules() if hasattr(m, "fxapprox_spec")]
+        assert specs and all(spec.k == spec.n for spec in specs)
     # the model still loads back into the original architecture
     _mlp().load_state_dict(approx.state_dict())
 
@@ -105,6 +111,9 @@ def test_history_round_trips_through_json():
     again = TrainingHistory.from_dict(data)
     assert again.to_dict() == approx.history.to_dict()
     assert again[0].layers == approx.history[0].layers
+    text = str(approx.report)   # the report shows the last check, predicted beside measured per layer
+    assert "guard: 2 check(s)" in text and "measured error (in the model)" in text
+    assert json.loads(json.dumps(approx.report.to_dict()["history"])) == data
 
 
 def test_guard_off_and_unfinished_steps():
@@ -148,8 +157,8 @@ def test_gradient_errors_per_owner():
     assert model == pytest.approx((0.5) ** 0.5)
 
 
-@pytest.mark.parametrize("field, value", [("check_every", 0), ("check_every", 1.5), ("error_cost", -1.0),
-                                          ("min_gain", 0.0), ("check_replan", "yes")])
+@pytest.mark.parametrize("field, value", [("check_every", 0), ("check_every", 1.5), ("backward_error_cost", -1.0),
+                                          ("forward_error_cost", 0.0), ("min_gain", 0.0), ("check_replan", "yes")])
 def test_config_rejects_bad_guard_settings(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
         ApproxConfig(**{field: value})

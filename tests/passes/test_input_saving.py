@@ -154,7 +154,7 @@ def test_approximated_models_never_save_more_than_exact(case, policy):
         model, x = nn.Sequential(Block(), Block()), torch.randn(4, 32, 64)
     # Tolerances off: these models are too small to be faster sampled; the point is what sampled layers save.
     config = fxapprox.ApproxConfig(policy=policy, measure_repeats=1, error_draws=1, min_speedup=None,
-                                   max_grad_error=None)
+                                   max_grad_error=None, min_gain=None)
     approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), config=config)
     assert approx.plan.approximated
     assert _saved(approx, x) <= _saved(model, x)

@@ -15,7 +15,7 @@ from fxapprox.passes import (annotate_channels, count_flops, enumerate_candidate
                              propagate_shapes, trace)
 
 #: deterministic plans: no timing (min_speedup=None), no tolerance unless a test sets one
-MEASURED = dict(policy="measured", min_speedup=None, max_grad_error=None)
+MEASURED = dict(policy="measured", min_speedup=None, max_grad_error=None, min_gain=None)
 
 
 class TwoBranches(nn.Module):
@@ -201,7 +201,7 @@ def test_backward_mode_mlp_learns_where_it_diverged():
     base = MLP(256)
     exact = train(fxapprox.approximate(base, 1.0, example_inputs=(xs[0],)))
     for policy in ("flops", "measured"):
-        config = ApproxConfig(policy=policy, mode="backward", min_speedup=None, max_grad_error=None)
+        config = ApproxConfig(policy=policy, mode="backward", min_speedup=None, max_grad_error=None, min_gain=None)
         approx = fxapprox.approximate(base, 0.75, example_inputs=(xs[0],), method="wta_crs", config=config)
         assert not approx.plan.decision("head").approximate
         assert approx.plan.approximated
