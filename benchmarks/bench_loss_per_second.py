@@ -272,7 +272,8 @@ def methods(seeds, write: bool) -> None:
     exact = statistics.mean(exact_losses)
     for (method, mode, gain), runs in results.items():
         loss = statistics.mean(r[0] for r in runs)
-        rows.append([method + (f", mode={mode}" if mode else "") + ("" if gain else ", min_gain=None (spent)"), f"{max(r[1] for r in runs):.2f}",
+        label = method + (f", mode={mode}" if mode else "") + ("" if gain else ", min_gain=None (spent)")
+        rows.append([label, f"{max(r[1] for r in runs):.2f}",
                      f"{max(r[2] for r in runs):.2f}", str(sum(r[3] for r in runs)), f"{exact:.3f}", f"{loss:.3f}",
                      f"{loss / exact - 1:+.1%}", runs[0][4][:140]])
     report_tables([(f"Flat MLP, budget 0.5, check_every=10, 60 steps, mean of {len(seeds)} seeds: final loss",
