@@ -25,6 +25,7 @@ from fxapprox.guard import (CheckRecord, CheckStep, LayerCheck, TrainingHistory,
 from fxapprox.modules import APPROX_MODULE_TYPES, SamplingSpec
 from fxapprox.ops.attention import as_in_compressed_training
 from fxapprox.ops.sampling import METHODS
+from fxapprox.passes._meta import fx_meta
 from fxapprox.passes.attention_recompute import recompute_attention
 from fxapprox.passes.budget_policy import AUTO_BUDGET, gain_model, plan_budget
 from fxapprox.passes.candidates import enumerate_candidates, parameterised
@@ -341,7 +342,7 @@ class ApproxGraphModule(torch.fx.GraphModule):
         # the same decision and the plans stay in agreement.
         model_error, backward_error, output_error, exact_seconds, approx_seconds = _mean_over_ranks(
             [model_error, backward_error, measured["output_error"], measured["exact_seconds"],
-             measured["approx_seconds"]], next(iter(exact.values())).device)
+             measured["approx_seconds"]], next(iter(self.parameters())).device)
         factors = calibration(families, backward_error, output_error, memory_error or 0.0, model_error)
         calibrated = math.hypot(calibrated_error(families, factors),
                                 math.sqrt(factors.backward) * (memory_error or 0.0))
@@ -365,10 +366,14 @@ class ApproxGraphModule(torch.fx.GraphModule):
         config: ApproxConfig = state["config"]
         plan = self.plan
         payoff = gain_model(self, plan.total_exact_flops, config)
-        # Speed: the median of the checks' measured speed-ups after the first (whose step may still pay one-off
-        # costs), else the plan's prediction.
-        speeds = [r.speedup for r in state["history"].records[1:]] + ([record.speedup] if state["history"] else [])
-        speedup = statistics.median(speeds) if speeds else plan.predicted_speedup
+        # Speed: the median of the measured speed-ups since the last re-plan (the first check's step may still pay
+        # one-off costs: left out once there are others). Measured values only: under DDP they are the ranks'
+        # mean, so every rank decides alike.
+        since = []
+        for previous in state["history"].records:
+            since = [] if previous.action == "replanned" else since + [previous.speedup]
+        speeds = (since[1:] if len(since) > 1 else since) + [record.speedup]
+        speedup = statistics.median(speeds)
         why = []
         if config.max_grad_error is not None and record.calibrated_error > config.max_grad_error:
             why.append(f"calibrated model-gradient error {record.calibrated_error:.3f} > max_grad_error "
@@ -390,7 +395,7 @@ class ApproxGraphModule(torch.fx.GraphModule):
         if plan.predicted_error is None:   # only the measured policy's candidates carry the errors a re-plan needs
             return dataclasses.replace(record, action="measured",
                                        note="; ".join(why) + " (policy='flops' plans are not re-planned)")
-        new = replan(self, plan, factors, speedup or 1.0, record.step, config, "; ".join(why))
+        new = _plan_of_rank_zero(self, replan(self, plan, factors, speedup, record.step, config, "; ".join(why)))
         self._apply_plan(new)
         changed = [d for d, old in zip(new.layers, plan.layers)
                    if (d.approximate, d.mode, d.method, d.k) != (old.approximate, old.mode, old.method, old.k)]
@@ -485,6 +490,9 @@ class ApproxGraphModule(torch.fx.GraphModule):
         return {**self._fxapprox_state, "check": None, "in_reference": False}
 
     def __deepcopy__(self, memo):
+        check = self._fxapprox_state.get("check")
+        if check is not None:   # the check in flight holds the batch and hooks of this module's tensors
+            memo[id(check)] = None
         result = super().__deepcopy__(memo)
         result._fxapprox_state = copy.deepcopy(self._portable_state(), memo)
         return result
@@ -558,6 +566,28 @@ def _rebuild_approx_graph_module(body: dict, records: list[tuple], codegen, clas
     for key, value in body.items():
         module.__dict__[key] = value
     return module
+
+
+def _plan_of_rank_zero(gm, plan: Plan) -> Plan:
+    """Under DDP, rank 0's re-plan (each rank re-planned from its own timings); its choices are also recorded in
+    every rank's graph meta, which the next checks' predictions read."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return plan
+    payload = [plan.to_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    plan = Plan.from_dict(payload[0])
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for decision in plan.layers:
+        node = nodes.get(decision.node)
+        if node is None or "candidates" not in fx_meta(node):
+            continue
+        matching = [c for c in fx_meta(node)["candidates"]
+                    if (c["mode"], c["method"], c["k"]) == (decision.mode, decision.method, decision.k)]
+        fx_meta(node)["chosen"] = (matching[0] if matching else fx_meta(node).get("chosen")) \
+            if decision.approximate else None
+    return plan
 
 
 def _mean_over_ranks(values: list[float], device) -> list[float]:

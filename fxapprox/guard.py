@@ -249,14 +249,20 @@ class CheckStep:
         self.forward_seconds = 0.0
         self.done = False
 
+    def _clock(self) -> float:
+        """Seconds, after the queued GPU work of the batch's devices has finished (CUDA runs asynchronously)."""
+        for device in self.devices:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     # -- the user's forward --------------------------------------------------------------------
     def run(self, call):
         from fxapprox.ops._derived import local_setting
 
-        start = time.perf_counter()
+        start = self._clock()
         with local_setting("isolate_draws", True):
             output = call()
-        self.forward_seconds = time.perf_counter() - start
+        self.forward_seconds = self._clock() - start
         leaves = tree_flatten(output)[0]
         tapped = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if not tapped:
@@ -271,7 +277,7 @@ class CheckStep:
     def _output_hook(self, index: int):
         def hook(grad):
             if self.backward_start is None:
-                self.backward_start = time.perf_counter()
+                self.backward_start = self._clock()
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self.output_grads[index] = grad.detach()
         return hook
@@ -294,7 +300,7 @@ class CheckStep:
     def _finish(self) -> None:
         if self.done:
             return
-        approx_seconds = self.forward_seconds + time.perf_counter() - self.backward_start
+        approx_seconds = self.forward_seconds + self._clock() - self.backward_start
         self.cancel()
         exact, exact_seconds, output_error = self._reference_gradients(keep_forward=False)
         replay = self._reference_gradients(keep_forward=True)[0] if self.replay else None
@@ -306,7 +312,7 @@ class CheckStep:
 
         aliases = {n: p.detach().requires_grad_(True) for n, p in self.params.items()}
         buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
-        start = time.perf_counter()
+        start = self._clock()
         with torch.random.fork_rng(devices=self.devices), torch.enable_grad():
             torch.set_rng_state(self.cpu_rng)
             for device, state in zip(self.devices, self.cuda_rng):
@@ -322,7 +328,7 @@ class CheckStep:
                      if i < len(leaves) and isinstance(leaves[i], torch.Tensor) and leaves[i].requires_grad]
             grads = torch.autograd.grad([p[0] for p in pairs], list(aliases.values()), [p[1] for p in pairs],
                                         allow_unused=True) if pairs else [None] * len(aliases)
-        seconds = time.perf_counter() - start
+        seconds = self._clock() - start
         with torch.no_grad():
             for name, buffer in self.module.named_buffers():
                 buffer.copy_(buffers[name])

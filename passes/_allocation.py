@@ -89,7 +89,9 @@ def least_error_allocation(items: list, options: dict, needed: float, error_cap:
     capped |= refused
     if objective is not None:
         _, chosen, saved, total = best
-    for item in reversed(list(chosen)):
+    # Last, the least-error option that still meets ``needed`` (not with an objective: it chose the prefix, and
+    # a lower-error option may cost it).
+    for item in (reversed(list(chosen)) if objective is None else ()):
         current = chosen[item]
         for option in sorted(options[item], key=lambda o: o["contribution"]):
             if option["contribution"] >= current["contribution"]:

@@ -157,6 +157,8 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
     rate = ("time_saving", "step_cost") if timed else ("saving", "contribution")
     chosen, saved, squared, _ = least_error_allocation(list(current), options, needed, config.max_grad_error,
                                                        objective, rate)
+    if objective is not None and chosen and objective(chosen, saved, squared) < config.min_gain:
+        chosen, saved, squared = {}, 0.0, 0.0   # as in the plan: what does not reach min_gain stays exact
     choices = {}
     for node in layers:
         decision = by_name[node.name]
