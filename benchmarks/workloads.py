@@ -31,6 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from _text import encode, load_corpus, windows  # noqa: E402
+from bench_planner import MLP as FlatMLP  # noqa: E402
 
 __all__ = ["HELD_OUT", "TUNING", "WORKLOADS", "Workload", "get"]
 
@@ -135,15 +136,6 @@ def _sgd(lr: float, momentum: float = 0.9):
 
 
 # -- models ----------------------------------------------------------------------------------------------------
-class FlatMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.head = nn.Linear(512, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 10)
-
-    def forward(self, x):
-        return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
-
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -224,7 +216,7 @@ def mlp() -> Workload:
 
     def build():
         torch.manual_seed(0)
-        return FlatMLP()
+        return FlatMLP()   # bench_planner's MLP 512→1024→1024→10
     example = (next(batches(0))[0],)
     return Workload("mlp", build, batches, F.cross_entropy, _sgd(0.1), _evaluate_batches(F.cross_entropy,
                     [(val_x, val_y)]), example, steps=400, eval_every=25)
@@ -242,38 +234,33 @@ def digits_cnn() -> Workload:
                     _evaluate_batches(F.cross_entropy, [(x_test, y_test)]), (x[:64],), steps=500, eval_every=25)
 
 
-def char_transformer() -> Workload:
-    from char_transformer import CharTransformer
-
-    vocab, batches, val_batches, example = _text(128, 16)
+def _language_model(name: str, make, seq: int, batch: int, optimizer, steps: int) -> Workload:
+    """A character language model on the CPython sources: ``make(vocab)`` builds it from seed 0."""
+    vocab, batches, val_batches, example = _text(seq, batch)
 
     def build():
         torch.manual_seed(0)
-        return CharTransformer(vocab, 256, 4, 4, 128)
-    return Workload("char_transformer", build, batches, _token_loss, _adamw(2e-3, 50, cosine=False),
-                    _evaluate_batches(_token_loss, val_batches), example, steps=400, eval_every=25, clip=1.0)
+        return make(vocab)
+    return Workload(name, build, batches, _token_loss, optimizer, _evaluate_batches(_token_loss, val_batches),
+                    example, steps=steps, eval_every=25, clip=1.0)
+
+
+def char_transformer() -> Workload:
+    from char_transformer import CharTransformer
+
+    return _language_model("char_transformer", lambda vocab: CharTransformer(vocab, 256, 4, 4, 128), 128, 16,
+                           _adamw(2e-3, 50, cosine=False), 400)
 
 
 def char_transformer_small() -> Workload:
     from char_transformer import CharTransformer
 
-    vocab, batches, val_batches, example = _text(64, 32)
-
-    def build():
-        torch.manual_seed(0)
-        return CharTransformer(vocab, 192, 6, 3, 64)
-    return Workload("char_transformer_small", build, batches, _token_loss, _adamw(3e-3, 30, cosine=True),
-                    _evaluate_batches(_token_loss, val_batches), example, steps=500, eval_every=25, clip=1.0)
+    return _language_model("char_transformer_small", lambda vocab: CharTransformer(vocab, 192, 6, 3, 64), 64, 32,
+                           _adamw(3e-3, 30, cosine=True), 500)
 
 
 def llama() -> Workload:
-    vocab, batches, val_batches, example = _text(128, 16)
-
-    def build():
-        torch.manual_seed(0)
-        return TinyLlama(vocab)
-    return Workload("llama", build, batches, _token_loss, _adamw(1e-3, 30, cosine=True),
-                    _evaluate_batches(_token_loss, val_batches), example, steps=400, eval_every=25, clip=1.0)
+    return _language_model("llama", TinyLlama, 128, 16, _adamw(1e-3, 30, cosine=True), 400)
 
 
 def char_lstm() -> Workload:

@@ -43,7 +43,7 @@ class LayerCheck:
 
     node: str
     target: str
-    #: the plan's setting for the layer when it was checked (``"exact"`` after a re-plan dropped it)
+    #: the plan's setting for the layer when it was checked (layers a re-plan made exact are not checked)
     method: str
     mode: str | None
     keep_ratio: float
