@@ -341,5 +341,28 @@ class ApproxLSTM(ApproxOp, nn.RNNBase):
                 f", block_steps={getattr(self, 'fxapprox_block_steps', 1)}")
 
 
+class ApproxConv1D(ApproxOp, nn.Module):
+    """Hugging Face's ``Conv1D`` (GPT-2's projections: ``x @ weight + bias`` with an ``[in, out]`` weight) whose
+    training forward is sampled like an ``nn.Linear`` with weight ``weight.T`` (a view: the gradient reaches the
+    same parameter). Exact (``eval()``, switched off) it computes what ``Conv1D`` computes, the same ``addmm``."""
+
+    @classmethod
+    def from_conv1d(cls, conv1d: nn.Module, spec: SamplingSpec) -> "ApproxConv1D":
+        if spec.n != conv1d.weight.shape[0]:
+            raise ValueError(f"spec.n={spec.n} does not match the Conv1D's {conv1d.weight.shape[0]} input features")
+        new = _adopt(cls, conv1d)
+        new._init_approx(spec)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.approximating:
+            out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+            return out.view(*x.shape[:-1], self.weight.shape[1])
+        return _linear(self.fxapprox_spec, x, self.weight.t(), self.bias)
+
+    def pair_scores(self, x):
+        return pair_scores_linear(x.reshape(-1, x.shape[-1]), self.weight.t())
+
+
 APPROX_MODULE_TYPES = (ApproxLinear, ApproxConv2d, ApproxFunctionalLinear, ApproxFunctionalConv2d, ApproxMatmul,
-                       ApproxLSTM)
+                       ApproxLSTM, ApproxConv1D)

@@ -37,8 +37,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxapprox.modules import (ApproxConv2d, ApproxFunctionalConv2d, ApproxFunctionalLinear, ApproxLinear,
-                              ApproxLSTM, ApproxMatmul, SamplingSpec, lstm_blocker, resolve_conv_padding)
+from fxapprox.modules import (ApproxConv1D, ApproxConv2d, ApproxFunctionalConv2d, ApproxFunctionalLinear,
+                              ApproxLinear, ApproxLSTM, ApproxMatmul, SamplingSpec, lstm_blocker, resolve_conv_padding)
 from fxapprox.ops.lstm import LSTMBackward
 
 MATMUL_TARGETS = (torch.matmul, operator.matmul, torch.mm)
@@ -86,7 +86,8 @@ def _rows(meta: dict) -> int:
     shape = meta.get("shape")
     if not shape or not all(isinstance(s, int) for s in shape):
         return 0
-    return math.prod(shape[:-1]) if meta.get("op_kind") in ("linear", "linear_fn", "matmul") else shape[0]
+    return math.prod(shape[:-1]) if meta.get("op_kind") in ("linear", "linear_fn", "matmul", "conv1d_hf") \
+        else shape[0]
 
 
 def kept_count(ratio: float, n: int) -> int:
@@ -122,6 +123,8 @@ class OpKind:
         """
         if mode not in self.modes:
             return f"{mode} sampling is not offered for {self.name}"
+        if mode == "weight_grad" and not meta.get("weight_requires_grad", True):
+            return "frozen weight (no weight gradient to sample)"
         n = meta.get("reduction_size") or 0
         if mode == "forward":
             k = kept_count(ratio, n)
@@ -433,8 +436,38 @@ class LSTMKind(OpKind):
         return [], [name for name, _ in module.named_parameters() if name.startswith("weight")]
 
 
+def _hf_conv1d_base(module: nn.Module) -> type | None:
+    return next((c for c in type(module).__mro__
+                 if c.__name__ == "Conv1D" and c.__module__.startswith("transformers")), None)
+
+
+class HFConv1DKind(OpKind):
+    """Hugging Face's ``Conv1D`` (GPT-2's projections): ``x @ W + b`` with ``W`` ``[in, out]``, a linear layer
+    with the weight transposed (matched by class, so transformers is not imported)."""
+
+    name = "conv1d_hf"
+
+    def match(self, gm, node):
+        if node.op != "call_module" or _hf_conv1d_base(gm.get_submodule(node.target)) is None:
+            return None
+        module = gm.get_submodule(node.target)
+        n_in, n_out = module.weight.shape
+        return {"module_type": type(module).__name__, "in_channels": n_in, "out_channels": n_out, "groups": 1,
+                "reduction_size": n_in, "weight_requires_grad": module.weight.requires_grad}
+
+    def blocker(self, gm, node, meta):
+        module = gm.get_submodule(node.target)
+        return _own_forward_blocker(module, _hf_conv1d_base(module))
+
+    def build(self, gm, node, spec, lstm=LSTMBackward()):
+        return ApproxConv1D.from_conv1d(gm.get_submodule(node.target), spec)
+
+    def gradient_operands(self, gm, node):
+        return [], ["weight"]
+
+
 for _handler in (LinearKind(), Conv2dKind(), FunctionalLinearKind(), FunctionalConv2dKind(), MatmulKind(),
-                 LSTMKind()):
+                 LSTMKind(), HFConv1DKind()):
     register_op_kind(_handler)
 
 __all__ = ["OP_KINDS", "OpKind", "conv2d_call_args", "handler_for", "kept_count", "linear_call_args", "match_node",

@@ -154,6 +154,10 @@ class Plan:
     #: and how much sooner than exact training the plan reaches a given loss (speed-up / predicted steps)
     predicted_speedup: float | None = None
     predicted_gain: float | None = None
+    #: for a model whose own code torch.fx cannot trace, how each part runs (hierarchical capture): dicts with
+    #: ``path``, ``kind`` ("traced", "leaf" — swapped in place —, "eager"), ``module_type``, ``reason``,
+    #: ``source_line``; empty for a model traced whole
+    regions: tuple[dict, ...] = field(default_factory=tuple)
 
     @property
     def achieved(self) -> float:
@@ -187,6 +191,7 @@ class Plan:
             "predicted_speedup": self.predicted_speedup,
             "predicted_gain": self.predicted_gain,
             "untraced": [dict(u) for u in self.untraced],
+            "regions": [dict(r) for r in self.regions],
         }
 
     @classmethod
@@ -200,4 +205,5 @@ class Plan:
         return cls(layers=layers, memory=None if memory is None else MemoryPlan.from_dict(memory),
                    predicted_error=data.get("predicted_error"), predicted_step_error=data.get("predicted_step_error"),
                    predicted_speedup=data.get("predicted_speedup"), predicted_gain=data.get("predicted_gain"),
-                   untraced=tuple(dict(u) for u in data.get("untraced", ())), **fields)
+                   untraced=tuple(dict(u) for u in data.get("untraced", ())),
+                   regions=tuple(dict(r) for r in data.get("regions", ())), **fields)

@@ -43,6 +43,20 @@ def _untraced_lines(plan: Plan) -> str:
     return "".join(lines)
 
 
+def _region_lines(plan: Plan) -> str:
+    """What hierarchical capture made of a model whose own code does not trace (empty for a traced model)."""
+    if not plan.regions:
+        return ""
+    kinds = {kind: [r for r in plan.regions if r["kind"] == kind] for kind in ("traced", "leaf", "eager")}
+    eager_flops = sum(d.exact_flops for d in plan.layers if d.reason.startswith("runs eagerly"))
+    share = eager_flops / plan.total_exact_flops if plan.total_exact_flops else 0.0
+    root = next((r for r in kinds["eager"] if r["path"] == ""), None)
+    why = f" ({root['reason']})" if root is not None else ""
+    return (f"\ncaptured region by region, the model's own code runs eagerly{why}: {len(kinds['traced'])} traced "
+            f"region(s), {len(kinds['leaf'])} layer(s) swapped in place, {len(kinds['eager'])} module(s) run eagerly "
+            f"and exactly ({share:.1%} of the training FLOPs)")
+
+
 def _check_summary(check) -> str:
     predicted = "-" if check.predicted_error is None else f"{check.predicted_error:.3f}"
     return (f"model-gradient error measured {check.model_error:.3f} (one step; predicted {predicted}), backward "
@@ -157,7 +171,8 @@ class Report:
                 f"{_flops(plan.total_planned_flops)} | budget asked {budget_text(plan.budget)}, achieved "
                 f"{plan.achieved:.3f} ({'met' if plan.budget_met else 'NOT met'}) | "
                 f"{len(plan.approximated)}/{len(plan.layers)} layers sampled ({plan.method}, "
-                f"{plan.config.get('policy', 'flops')} policy){error}\n{plan.note}{_untraced_lines(plan)}")
+                f"{plan.config.get('policy', 'flops')} policy){error}\n{plan.note}{_untraced_lines(plan)}"
+                f"{_region_lines(plan)}")
 
     def __str__(self) -> str:
         buffer = io.StringIO()

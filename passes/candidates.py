@@ -74,6 +74,8 @@ def _blocker(gm: torch.fx.GraphModule, node: torch.fx.Node, meta: dict, config: 
     """Why ``node`` cannot be approximated at all, or ``None`` when it can."""
     handler = handler_for(meta)
     kind = meta.get("op_kind")
+    if meta.get("eager_reason"):
+        return f"runs eagerly, exact (torch.fx could not trace it: {meta['eager_reason']})"
     if handler is None:
         if kind in ("gru", "rnn"):
             return f"recurrent layer ({meta.get('module_type')}): no sparse-backward version yet"

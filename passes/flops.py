@@ -6,7 +6,8 @@ really exist (no input gradient for the stem conv, for instance). Writes
 ``flops_fwd`` and ``flops_bwd`` into ``node.meta["fxapprox"]``.
 
 ``FlopCounterMode`` has no formula for the oneDNN and cuDNN LSTM kernels that
-``nn.LSTM`` runs on CPU and CUDA, nor for the oneDNN linear (``mkldnn._linear_pointwise``),
+``nn.LSTM`` runs on CPU and CUDA, nor for the oneDNN linear (``mkldnn._linear_pointwise``), nor for the CPU
+flash-attention kernel ``scaled_dot_product_attention`` runs on CPU (it has the CUDA ones),
 and it cannot look inside our sparse-backward LSTM's custom ops (``fxapprox::lstm_layer``);
 it counts 0 for all of them, so we register their formulas here.
 """
@@ -83,6 +84,22 @@ def _sparse_lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_
     return 2 * _rnn_layer_flops(x, w_ih, w_hh) * kept // hidden
 
 
+def _attention_flops(query_shape, key_shape, value_shape) -> int:
+    # Q·Kᵀ and P·V over the query heads (grouped-query attention: fewer key/value heads, as many products)
+    batch, heads, queries, head_dim = query_shape
+    keys, value_dim = key_shape[-2], value_shape[-1]
+    return 2 * batch * heads * queries * keys * (head_dim + value_dim)
+
+
+def _cpu_flash_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return _attention_flops(query, key, value)
+
+
+def _cpu_flash_attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    # dV, dP, dQ, dK: twice the forward products (as torch's formula for the CUDA kernels)
+    return 2 * _attention_flops(query, key, value)
+
+
 def _register_missing_formulas() -> None:
     """Register each formula once, for ops this torch build has (the registry is keyed by overload packet)."""
     import fxapprox.ops.lstm  # noqa: F401 — defines the fxapprox:: LSTM ops
@@ -93,7 +110,10 @@ def _register_missing_formulas() -> None:
                                      ("aten", "_cudnn_rnn_backward", _cudnn_rnn_backward),
                                      ("mkldnn", "_linear_pointwise", _onednn_linear),
                                      ("fxapprox", "lstm_layer", _sparse_lstm_forward),
-                                     ("fxapprox", "lstm_layer_backward", _sparse_lstm_backward)):
+                                     ("fxapprox", "lstm_layer_backward", _sparse_lstm_backward),
+                                     ("aten", "_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_attention),
+                                     ("aten", "_scaled_dot_product_flash_attention_for_cpu_backward",
+                                      _cpu_flash_attention_backward)):
         op = getattr(getattr(torch.ops, namespace), name, None)
         if op is not None and op not in flop_registry:
             register_flop_formula(op)(formula)

@@ -48,7 +48,7 @@ from fxapprox.passes._meta import fx_meta
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
 from fxapprox.passes.candidates import parameterised
 
-__all__ = ["EXACT_STEP_KEY", "measure_candidates", "time_exact_step"]
+__all__ = ["EXACT_STEP_KEY", "measure_candidates", "time_exact_step", "time_step"]
 
 #: methods whose runs differ only by top-k's small random share: one run measures their error
 _DETERMINISTIC = ("topk",)
@@ -186,24 +186,30 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
 EXACT_STEP_KEY = "fxapprox_exact_step_seconds"
 
 
-def time_exact_step(gm: torch.fx.GraphModule, example_inputs: tuple, repeats: int) -> float:
-    """Median seconds of the exact model's forward + backward (the projection loss) on the example inputs, after
-    one warm-up run: the whole step the layers' measured savings are a part of."""
+def time_step(module: torch.nn.Module, forward, repeats: int) -> float:
+    """Median seconds of ``forward()`` and the backward of its projection loss to ``module``'s trainable parameters,
+    after one warm-up run."""
     from fxapprox._projection import projection_loss
 
-    parameters = [p for p in gm.parameters() if p.requires_grad]
+    parameters = [p for p in module.parameters() if p.requires_grad]
     synchronize = torch.cuda.synchronize if any(p.is_cuda for p in parameters) else (lambda: None)
     times = []
     for run in range(1 + repeats):
         synchronize()
         start = time.perf_counter()
-        loss = projection_loss(gm.forward(*example_inputs))   # not gm(): an ApproxGraphModule plans on call
+        loss = projection_loss(forward())
         if loss.requires_grad and parameters:
             torch.autograd.grad(loss, parameters, allow_unused=True)
         synchronize()
         if run:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def time_exact_step(gm: torch.fx.GraphModule, example_inputs: tuple, repeats: int) -> float:
+    """Median seconds of the exact model's forward + backward (the projection loss) on the example inputs, after
+    one warm-up run: the whole step the layers' measured savings are a part of."""
+    return time_step(gm, lambda: gm.forward(*example_inputs), repeats)   # not gm(): an ApproxGraphModule plans on call
 
 
 def _candidate_key(candidate: dict) -> tuple:

@@ -191,4 +191,5 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
         note += "; " + payoff.describe(_time_saved(chosen), saved, _cost(chosen))
     return dataclasses.replace(assemble_plan(plan.budget, plan.method, total, decisions, config, note, summary,
                                              plan.budget_met and saved >= needed - 0.5),
-                               memory=plan.memory, untraced=plan.untraced)
+                               memory=plan.memory, untraced=plan.untraced,
+                               regions=plan.regions)

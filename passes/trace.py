@@ -59,9 +59,15 @@ class UntracedModule:
         return asdict(self)
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (matched by class, without importing transformers): a leaf, so that it stays one
+    ``call_module`` node the ``conv1d_hf`` op kind can sample."""
+    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers") for c in type(module).__mro__)
+
+
 class ApproxTracer(torch.fx.Tracer):
-    """A ``torch.fx.Tracer`` that keeps recurrent modules, named modules and libraries' no-trace modules as
-    leaves and wraps libraries' no-trace functions."""
+    """A ``torch.fx.Tracer`` that keeps recurrent modules, HF ``Conv1D``, named modules and libraries' no-trace
+    modules as leaves and wraps libraries' no-trace functions."""
 
     def __init__(self, leaf_modules: tuple[str | type, ...] = ()) -> None:
         library_modules, library_functions = library_notrace()
@@ -70,7 +76,7 @@ class ApproxTracer(torch.fx.Tracer):
         self.leaf_types = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type)) + library_modules
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, RECURRENT_MODULES) or isinstance(m, self.leaf_types):
+        if isinstance(m, RECURRENT_MODULES) or isinstance(m, self.leaf_types) or _is_hf_conv1d(m):
             return True
         if module_qualified_name in self.leaf_names:
             return True
@@ -98,7 +104,7 @@ UNTRACED_KEY = "fxapprox_untraced"
 
 
 def trace(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: bool = False, *,
-          copy_model: bool = True) -> torch.fx.GraphModule:
+          copy_model: bool = True, concrete_args: dict | None = None) -> torch.fx.GraphModule:
     """Trace ``model`` (which is not modified) into a new ``GraphModule``.
 
     A ``GraphModule`` is taken as already traced and deep-copied as it is. Submodules that fail to trace
@@ -121,7 +127,7 @@ def trace(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: b
     for _ in range(sum(1 for _ in model.modules()) + 1):
         tracer = ApproxTracer(leaves)
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args)
         except Exception as error:
             failure = _trace_error(model, tracer, error)
             if strict or failure.module_path == "<root>":
@@ -153,8 +159,9 @@ def _module_code(gm: torch.fx.GraphModule) -> dict[str, list]:
 MODE_DEPENDENT = "its code branches on self.training (the train- and eval-mode traces differ)"
 
 
-def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = (),
-                     strict: bool = False) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:
+def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: bool = False, *,
+                     copy_model: bool = True,
+                     concrete_args: dict | None = None) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:
     """:func:`trace` ``model`` in its mode and in the other one, with the same leaves.
 
     A submodule whose own traced code differs between the two (``if self.training:`` around a drop path,
@@ -162,9 +169,10 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
     and follows ``train()``/``eval()``, and recorded in ``gm.meta[UNTRACED_KEY]``. The second trace lets
     :func:`~fxapprox.passes.training_flags.follow_training_mode` tell mode-dependent constants from real
     ones; it is ``None`` for a ready GraphModule or when the other mode does not trace (or branches in the
-    root module's own code).
+    root module's own code). ``copy_model=False``: the result shares ``model``'s submodules and parameters;
+    ``concrete_args`` are torch.fx's (arguments traced as the given constants).
     """
-    gm = trace(model, leaf_modules, strict)
+    gm = trace(model, leaf_modules, strict, copy_model=copy_model, concrete_args=concrete_args)
     if isinstance(model, torch.fx.GraphModule):
         return gm, None
     leaves = tuple(leaf_modules) + tuple(u.module for u in gm.meta[UNTRACED_KEY])
@@ -172,7 +180,8 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
     other_model = copy.deepcopy(model).train(not model.training)
     for _ in range(sum(1 for _ in model.modules()) + 1):
         try:
-            other = trace(other_model, leaves, strict=True, copy_model=False)   # a copy already
+            other = trace(other_model, leaves, strict=True, copy_model=False,   # a copy already
+                          concrete_args=concrete_args)
         except Exception:   # noqa: BLE001 — traces in this mode only: training flags are told by name
             return gm, None
         mine, theirs = _module_code(gm), _module_code(other)
@@ -187,7 +196,7 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
             module_type = type(model.get_submodule(path)).__name__
             untraced.append(UntracedModule(path, module_type, MODE_DEPENDENT, None))
         leaves = leaves + tuple(differing)
-        gm = trace(model, leaves, strict)
+        gm = trace(model, leaves, strict, copy_model=copy_model, concrete_args=concrete_args)
         untraced += gm.meta[UNTRACED_KEY]   # only new failures: the known ones are leaves now
         leaves += tuple(u.module for u in gm.meta[UNTRACED_KEY])
     return gm, None  # pragma: no cover

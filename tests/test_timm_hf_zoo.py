@@ -3,8 +3,9 @@
 Each model is built with random weights, approximated at budget 0.5 (FLOP-ranked policy), compared in
 ``eval()`` with the original (atol 1e-4), and trained one step (every gradient finite). timm models are traced
 by fxapprox itself (with timm's own no-trace registries; untraceable blocks stay exact leaves); Hugging Face
-models with their library's fx tracer (``transformers.utils.fx.symbolic_trace``), the GraphModule then handed
-to ``approximate``.
+models on transformers 5 are approximated as they are (hierarchical capture, ``fxapprox.eager``), on transformers
+4 traced with the library's fx tracer (``transformers.utils.fx.symbolic_trace``), the GraphModule then handed to
+``approximate``.
 
 One model per family runs by default when timm / transformers are installed (``pip install fxapprox[zoo]``);
 the rest are marked ``slow``. ``benchmarks/zoo_coverage_timm_hf.py`` runs all of them and writes the table.
@@ -62,7 +63,10 @@ def _timm_build(name: str):
 
 def _hf_build(name: str):
     import transformers as hf
-    from transformers.utils.fx import symbolic_trace
+    try:
+        from transformers.utils.fx import symbolic_trace
+    except ImportError:   # transformers 5 removed its fx tracer: the model as it is (hierarchical capture)
+        symbolic_trace = None
 
     torch.manual_seed(0)
     small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
@@ -94,16 +98,19 @@ def _hf_build(name: str):
         model = model_class(config_class(**kwargs))
         names, inputs = ["input_ids"], (tokens,)
     model.config.use_cache = False if hasattr(model.config, "use_cache") else None
+
+    # the original is called by keyword (T5's second positional argument is its attention mask)
+    def original(*args):
+        return model(**dict(zip(names, args)))
+
+    if symbolic_trace is None:
+        return model, model, inputs, torch.randint(0, NUM_CLASSES, (BATCH,)), original, names
     try:
         traced = symbolic_trace(model, input_names=names)
     except Exception as error:   # noqa: BLE001 — reported as the library tracer's failure, not ours
         raise RuntimeError(f"transformers {hf.__version__}'s own fx tracer fails on {type(model).__name__}: "
                            f"{type(error).__name__}: {str(error).splitlines()[0][:120]}") from error
-    # the original is called by keyword (T5's second positional argument is its attention mask)
-    def original(*args):
-        return model(**dict(zip(names, args)))
-
-    return model, traced, inputs, torch.randint(0, NUM_CLASSES, (BATCH,)), original
+    return model, traced, inputs, torch.randint(0, NUM_CLASSES, (BATCH,)), original, None
 
 
 def _logits(output):
@@ -123,17 +130,35 @@ def _loss(output, labels):
     return logits.float().square().mean()
 
 
+class _ByKeyword:
+    """An approximated Hugging Face model called by keyword, as the original is."""
+
+    def __init__(self, module, names) -> None:
+        self.module, self.names = module, names
+
+    def __call__(self, *args):
+        return self.module(**dict(zip(self.names, args)))
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
 def check(zoo: str, name: str, result: dict | None = None) -> dict:
     """Approximate one model, compare eval outputs (atol 1e-4), run one train step; raise on a failure."""
     result = {} if result is None else result
     start = time.perf_counter()
+    names = None
     if zoo == "timm":
         model, inputs, labels = _timm_build(name)
         source, original = model, model
     else:
-        model, source, inputs, labels, original = _hf_build(name)
+        model, source, inputs, labels, original, names = _hf_build(name)
     result["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
-    approx = fxapprox.approximate(source, BUDGET, example_inputs=inputs, config=FLOPS)
+    if names is not None:   # a model approximated as it is: called by keyword, like the original
+        approx = _ByKeyword(fxapprox.approximate(source, BUDGET, example_inputs=dict(zip(names, inputs)),
+                                                 config=FLOPS), names)
+    else:
+        approx = fxapprox.approximate(source, BUDGET, example_inputs=inputs, config=FLOPS)
     plan = approx.plan
     result.update(sampled=len(plan.approximated), layers=len(plan.layers), achieved=plan.achieved,
                   untraced=[u["module"] for u in plan.untraced])

@@ -210,7 +210,7 @@ def test_backward_mode_mlp_learns_where_it_diverged():
 
 
 def test_registry_has_one_handler_per_kind():
-    assert set(OP_KINDS) == {"linear", "conv2d", "linear_fn", "conv2d_fn", "matmul", "lstm"}
+    assert set(OP_KINDS) == {"linear", "conv2d", "linear_fn", "conv2d_fn", "matmul", "lstm", "conv1d_hf"}
     with pytest.raises(ValueError, match="already registered"):
         register_op_kind(OP_KINDS["linear"])
     with pytest.raises(TypeError, match="OpKind"):

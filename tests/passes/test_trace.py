@@ -125,9 +125,46 @@ def test_untraceable_submodules_are_kept_exact_and_reported():
     approx.train()(x).sum().backward()
 
 
-def test_a_root_that_cannot_be_traced_still_raises():
+class BranchyRoot(nn.Module):
+    """Data-dependent control flow in the root's own code, around a traceable block and a bare Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 16)
+        self.inner = Branchy()
+
+    def forward(self, x):
+        x = self.block(x)
+        if x.sum() > 0:   # not traceable
+            x = x * 2
+        return self.head(self.inner(x))
+
+
+def test_a_root_that_cannot_be_traced_runs_eagerly_and_its_children_are_approximated():
+    torch.manual_seed(0)
+    model = BranchyRoot()
+    x = torch.randn(8, 16)
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,),
+                                  config=fxapprox.ApproxConfig(policy="flops", min_channels=3))
+    assert type(approx).__name__ == "BranchyRoot" and isinstance(approx, BranchyRoot)
+    regions = {r["path"]: r for r in approx.plan.regions}
+    assert regions[""]["kind"] == "eager" and "if x.sum() > 0" in regions[""]["source_line"]
+    assert regions["block"]["kind"] == "traced" and regions["head"]["kind"] == "leaf"
+    assert "inner" not in regions   # no parameters: nothing to approximate, it runs inside the root's code
+    assert isinstance(approx.block, torch.fx.GraphModule)
+    assert type(approx.head).__name__ == "ApproxLinear" and approx.plan.approximated
+    assert set(approx.state_dict()) == set(model.state_dict())
+    approx.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(approx(x), model.eval()(x))
+    approx.train()(x).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in approx.parameters())
+
+
+def test_a_root_that_cannot_be_traced_raises_with_strict_trace():
     with pytest.raises(fxapprox.TraceError) as info:
-        fxapprox.approximate(Branchy(), 0.5, config=FLOPS)
+        fxapprox.approximate(BranchyRoot(), 0.5, config=fxapprox.ApproxConfig(strict_trace=True))
     assert info.value.module_path == "<root>"
 
 

@@ -1,0 +1,193 @@
+"""A model whose own code torch.fx cannot trace, approximated region by region (hierarchical capture).
+
+:func:`approximate_eager` returns a copy of the user's model *of its own class* (Hugging Face's ``generate``,
+``config``, ``save_pretrained`` keep working) whose traced regions are ``GraphModule`` s and whose approximable
+leaves in eager code are swapped in place (:mod:`fxapprox.passes.regions`). The class is a subclass made on the
+fly with :class:`ApproxModel` mixed in, under the original's name: ``isinstance`` checks and the ``architectures``
+Hugging Face writes are those of the original class.
+
+Planning (on the first batch, or ``example_inputs``) runs the model once to record each region's inputs, counts
+the eager code's FLOPs over one real step, stitches the regions into one planning graph
+(:mod:`fxapprox.passes.stitch`), runs the same passes as for a traced model on it — one budget over the whole
+model — and puts the rewritten regions back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxapprox.analysis import analyse, measurement_sandbox
+from fxapprox.config import ApproxConfig
+from fxapprox.errors import TraceError
+from fxapprox.graph_pickle import graph_from_records, graph_records
+from fxapprox.passes._meta import fx_meta
+from fxapprox.passes.budget_policy import AUTO_BUDGET, plan_budget
+from fxapprox.passes.candidates import enumerate_candidates
+from fxapprox.passes.eager_flops import count_eager_flops, count_step_flops
+from fxapprox.passes.input_saving import plan_input_saving
+from fxapprox.passes.measure_candidates import EXACT_STEP_KEY, measure_candidates, time_step
+from fxapprox.passes.rank import rank_layers
+from fxapprox.passes.regions import Region, capture_regions, record_calls
+from fxapprox.passes.rewrite import rewrite_sampled_ops
+from fxapprox.passes.stitch import EagerCode, install_regions, stitch, stitched_loss
+from fxapprox.plan import Plan
+from fxapprox.report import Report
+from fxapprox.runtime import ApproxRuntime, _shapes, initial_state
+
+__all__ = ["ApproxModel", "approximate_eager"]
+
+
+class ApproxModel(ApproxRuntime):
+    """Mixed into the user's model class for a hierarchically captured model (see the module docstring)."""
+
+    _fxapprox_state: dict
+
+    def _planning_module(self):
+        planning = self._fxapprox_state.get("planning")
+        if planning is None:
+            self.plan  # noqa: B018 — raises the explanatory error when not planned yet
+        return planning
+
+    def plan_from(self, *args, **kwargs) -> Plan:
+        """Analyse, plan and rewrite the regions using these inputs (done once; the first batch does it lazily)."""
+        state = self._fxapprox_state
+        if state["plan"] is not None:
+            raise RuntimeError("this module is already planned; call fxapprox.approximate again to re-plan")
+        config: ApproxConfig = state["config"]
+        with measurement_sandbox(self), self._exact_calls():
+            received = record_calls(self, args, kwargs)
+            capture = capture_regions(self, Region.from_dict(state["root"]), received, config.leaf_modules)
+            forward_flops, step_flops = count_step_flops(self, args, kwargs)
+        planning, inputs = stitch(self, capture, received)
+        analyse(planning, inputs, progress=config.progress)
+        for node in planning.graph.find_nodes(op="call_function", target=stitched_loss):   # not the model's
+            fx_meta(node)["flops_fwd"] = fx_meta(node)["flops_bwd"] = 0
+        regions_backward = sum(fx_meta(n).get("flops_bwd", 0) for n in planning.graph.nodes)
+        eager_flops = count_eager_flops(capture, forward_flops, step_flops.get("", 0), regions_backward)
+        for node in planning.graph.nodes:
+            if isinstance(node.target, EagerCode):
+                fx_meta(node)["flops_fwd"], fx_meta(node)["flops_bwd"] = eager_flops.get(node.target.path, (0, 0))
+        rank_layers(planning)
+        enumerate_candidates(planning, state["method"], config)
+        if config.policy == "measured" and (state["budget"] == AUTO_BUDGET or state["budget"] < 1.0):
+            with measurement_sandbox(planning):
+                measure_candidates(planning, *inputs, config=config, progress=config.progress)
+            if EXACT_STEP_KEY in planning.meta:   # the whole model's step, eager code included
+                with measurement_sandbox(self), self._exact_calls():
+                    planning.meta[EXACT_STEP_KEY] = time_step(self, lambda: super(ApproxRuntime, self).__call__(
+                        *args, **kwargs), config.measure_repeats)
+        plan = plan_input_saving(planning, plan_budget(planning, state["budget"], state["method"], config))
+        plan = dataclasses.replace(plan, regions=tuple(r.to_dict() for r in capture.regions))
+        rewrite_sampled_ops(planning, plan)
+        install_regions(self, planning, capture)
+        state["planning"] = planning
+        state["plan"] = plan
+        state["report"] = Report(plan, state["model_name"], _shapes(args) + _shapes(kwargs.values()),
+                                 state["history"])
+        self.set_approximate(state["enabled"])
+        return plan
+
+    @contextlib.contextmanager
+    def _exact_calls(self):
+        """Calls of the model run its own forward (no planning, no guard) while it is being planned."""
+        state = self._fxapprox_state
+        state["in_reference"] = True
+        try:
+            yield
+        finally:
+            state["in_reference"] = False
+
+    def replan_memory(self, *args, **kwargs) -> Plan:
+        raise NotImplementedError("replan_memory needs a memory plan, which a hierarchically captured model does "
+                                  "not have yet")
+
+    def _portable_state(self) -> dict:
+        return {**self._fxapprox_state, "check": None, "in_reference": False}
+
+    def __deepcopy__(self, memo):
+        check = self._fxapprox_state.get("check")
+        if check is not None:   # the check in flight holds the batch and hooks of this module's tensors
+            memo[id(check)] = None
+        body = {key: value for key, value in self.__dict__.items() if key != "_fxapprox_state"}
+        result = _rebuild_eager(_user_class(type(self)), copy.deepcopy(body, memo))
+        memo[id(self)] = result
+        result._fxapprox_state = copy.deepcopy(self._portable_state(), memo)
+        return result
+
+    def __reduce__(self):
+        # The class is made on the fly: pickle the user's class and make the subclass again on load. The planning
+        # graph pickles as records (GraphModule's own pickling re-imports its targets by name, which the eager
+        # code's stand-ins have none of).
+        body = dict(self.__dict__)
+        state = self._portable_state()
+        planning = state.get("planning")
+        if planning is not None:
+            state["planning"] = _PickledGraph(graph_records(planning.graph), planning.graph._codegen,
+                                              {key: planning.__dict__[key] for key in ("_modules", "_parameters",
+                                                                                       "_buffers")}, planning.meta)
+        body["_fxapprox_state"] = state
+        return (_rebuild_eager, (_user_class(type(self)), body))
+
+
+@dataclasses.dataclass
+class _PickledGraph:
+    records: list
+    codegen: object
+    attributes: dict
+    meta: dict
+
+    def rebuild(self) -> torch.fx.GraphModule:
+        root = nn.Module()
+        root.__dict__.update(self.attributes)
+        gm = torch.fx.GraphModule(root, graph_from_records(self.records, self.codegen), class_name="StitchedRegions")
+        gm.meta = self.meta
+        return gm
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _approx_class(user_class: type) -> type:
+    """The subclass of ``user_class`` with :class:`ApproxModel` mixed in (one per user class), under its name."""
+    if user_class not in _CLASSES:
+        _CLASSES[user_class] = type(user_class.__name__, (ApproxModel, user_class),
+                                    {"__module__": user_class.__module__, "__qualname__": user_class.__qualname__,
+                                     "_fxapprox_user_class": user_class})
+    return _CLASSES[user_class]
+
+
+def _user_class(approx_class: type) -> type:
+    return approx_class._fxapprox_user_class
+
+
+def _rebuild_eager(user_class: type, body: dict) -> nn.Module:
+    model = user_class.__new__(_approx_class(user_class))
+    model.__dict__.update(body)
+    planning = body.get("_fxapprox_state", {}).get("planning")
+    if isinstance(planning, _PickledGraph):
+        body["_fxapprox_state"]["planning"] = planning.rebuild()
+    return model
+
+
+def approximate_eager(model: nn.Module, root_error: TraceError, *, budget, memory_budget, method: str,
+                      config: ApproxConfig, model_name: str) -> nn.Module:
+    """A copy of ``model`` (whose own code failed to trace with ``root_error``) captured region by region."""
+    if memory_budget is not None and memory_budget < 1.0 or config.activation_bits is not None:
+        raise NotImplementedError(
+            f"memory_budget and activation_bits need a model torch.fx traces whole; {model_name}'s own code does not "
+            f"trace ({root_error.reason}). Trace it yourself (e.g. with concrete_args) and pass the GraphModule, or "
+            f"use the compute budget alone")
+    copied = copy.deepcopy(model)
+    copied.__class__ = _approx_class(type(copied))
+    root = Region("", "eager", type(model).__name__, root_error.reason or str(root_error).splitlines()[0],
+                  root_error.source_line)
+    copied._fxapprox_state = {**initial_state(budget=budget, memory_budget=memory_budget, method=method,
+                                              config=config, model_name=model_name),
+                              "root": root.to_dict(), "planning": None}
+    return copied

@@ -1,0 +1,269 @@
+"""Pass 1 (hierarchical) — regions: capture a model whose own code torch.fx cannot trace.
+
+Hugging Face models on transformers 5 (``**kwargs`` signatures, masks built with ``vmap``, attention dispatch on
+the inputs' shapes) and other models with data-dependent control flow at the top cannot be traced whole. Here
+the module that fails runs its own Python forward eagerly and capture descends into its children:
+
+* ``"traced"``: a child that traces completely (both modes, no opaque submodule) — everything fxapprox does to a
+  traced model applies inside it;
+* ``"leaf"``: an approximable module (``nn.Linear``, ``nn.Conv2d``, ``nn.LSTM``, Hugging Face ``Conv1D``) in eager
+  code — it is swapped in place, by name, the way PEFT and torchao inject their modules;
+* ``"eager"``: a module whose own code runs eagerly (exact), descended into; the reason is its tracing error.
+  PEFT adapters (LoRA's ``lora_A`` / ``lora_B``) stay exact and are not descended into: they are what is trained,
+  and small; the frozen base layer beside them is a leaf whose weight needs no gradient.
+
+Children without parameters are not descended into (nothing to approximate; their FLOPs count as their eager
+parent's), nor are modules called more than once in one forward (shared: they stay exact). :func:`record_calls`
+records what every module is called with on one real forward (forward pre-hooks); :func:`capture_regions` decides
+the regions from it: a child is traced for calls like that one (tensors traced, ``None`` and Python constants
+specialised and asserted by torch.fx), and the analyses run each region on what it received.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxapprox.errors import TraceError
+from fxapprox.passes.trace import RECURRENT_MODULES, UNTRACED_KEY, _is_hf_conv1d, trace_both_modes
+from fxapprox.passes.training_flags import follow_training_mode
+
+__all__ = ["Capture", "Region", "RegionInputs", "SWAPPED_LEAVES", "bind_placeholders", "capture_regions",
+           "is_hf_conv1d", "record_calls"]
+
+#: module types swapped in place where they sit in eager code (HF ``Conv1D`` is matched by :func:`is_hf_conv1d`)
+SWAPPED_LEAVES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.LSTM)
+
+
+is_hf_conv1d = _is_hf_conv1d   # GPT-2's projections: ``x @ W + b`` with an ``[in, out]`` weight
+
+
+def _swappable(module: nn.Module) -> bool:
+    return isinstance(module, SWAPPED_LEAVES) or is_hf_conv1d(module)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One part of a hierarchically captured model: how it runs and why."""
+
+    path: str            #: qualified name in the model ("" for the root)
+    kind: str            #: "traced", "leaf" or "eager"
+    module_type: str
+    reason: str          #: why it runs this way (for "eager": torch.fx's error, one line)
+    source_line: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Region":
+        return cls(**data)
+
+
+@dataclass
+class Capture:
+    """The regions of a model (in module order) and the traced regions' GraphModules."""
+
+    regions: list[Region] = field(default_factory=list)
+    graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
+
+    def of_kind(self, kind: str) -> list[Region]:
+        return [r for r in self.regions if r.kind == kind]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _relative_leaves(leaf_modules: tuple, path: str) -> tuple:
+    """The user's ``leaf_modules`` as seen from the submodule at ``path`` (names made relative; types kept)."""
+    prefix = f"{path}." if path else ""
+    return tuple(leaf if isinstance(leaf, type) else leaf[len(prefix):]
+                 for leaf in leaf_modules if isinstance(leaf, type) or leaf.startswith(prefix))
+
+
+def _is_user_leaf(module: nn.Module, path: str, leaf_modules: tuple) -> bool:
+    return path in leaf_modules or isinstance(module, tuple(x for x in leaf_modules if isinstance(x, type)))
+
+
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+def _is_constant(value) -> bool:
+    leaves, _ = tree_flatten(value)
+    return all(isinstance(leaf, _CONSTANTS) for leaf in leaves)
+
+
+def _adapter_names(module: nn.Module) -> tuple[str, ...]:
+    """The adapter children of a PEFT tuner layer (``BaseTunerLayer.adapter_layer_names``: LoRA's ``lora_A``,
+    ``lora_B``, …), matched by attribute so that peft is not imported; empty for any other module."""
+    names = getattr(type(module), "adapter_layer_names", ())
+    return tuple(names) if isinstance(names, (tuple, list)) else ()
+
+
+def _trace_region(module: nn.Module, leaf_modules: tuple, inputs: "RegionInputs") -> torch.fx.GraphModule:
+    """``module`` traced completely for calls like this one, sharing its parameters (tied weights stay tied), or
+    :class:`TraceError`. Tensor arguments are traced; ``None`` and Python constants are specialised (torch.fx
+    asserts them at every call: a region is never run with a value it was not traced for)."""
+    signature = inspect.signature(module.forward)
+    variadic = [p.name for p in signature.parameters.values() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if variadic:
+        raise TraceError(f"forward takes *{variadic[0]}", reason=f"forward takes *{variadic[0]} (not traced)")
+    bound = signature.bind(*inputs.args, **inputs.kwargs)
+    bound.apply_defaults()
+    concrete = {}
+    for name, value in bound.arguments.items():
+        if isinstance(value, torch.Tensor):
+            continue
+        if not _is_constant(value):
+            raise TraceError(f"called with a {type(value).__name__} argument {name!r}",
+                             reason=f"called with a {type(value).__name__} argument {name!r} (not traced)")
+        concrete[name] = value
+    traced, other = trace_both_modes(module, leaf_modules, strict=True, copy_model=False,
+                                     concrete_args=concrete or None)
+    untraced = traced.meta.get(UNTRACED_KEY, ())
+    if untraced:   # a mode-dependent submodule: descend rather than keep an opaque leaf
+        first = untraced[0]
+        raise TraceError(f"{first.module}: {first.reason}", module_path=first.module, source_line=first.source_line,
+                         module_type=first.module_type, reason=first.reason)
+    gm = follow_training_mode(traced, other, training=module.training)
+    # torch.fx renames specialised arguments (mask -> mask_1): callers pass them by their own names
+    for node, name in zip(gm.graph.find_nodes(op="placeholder"), signature.parameters):
+        node.target = name
+    gm.recompile()
+    return gm
+
+
+def capture_regions(model: nn.Module, root: Region, calls: dict[str, "RegionInputs"],
+                    leaf_modules: tuple = ()) -> Capture:
+    """The regions of ``model`` (whose own code does not trace: ``root`` says why), from what each module was called
+    with on one forward (:func:`record_calls`). ``model`` is not modified."""
+    capture = Capture()
+
+    def visit(module: nn.Module, path: str, region: Region | None) -> None:
+        if region is not None:
+            capture.regions.append(region)
+        for name, child in module.named_children():
+            child_path = _join(path, name)
+            if not any(True for _ in child.parameters()):
+                continue
+            kind = type(child).__name__
+            if name in _adapter_names(module):
+                capture.regions.append(Region(child_path, "eager", kind, "PEFT adapter: trained, stays exact"))
+                continue
+            if type(child).forward is nn.Module.forward:   # ModuleList / ModuleDict: containers, not called
+                visit(child, child_path, None)
+                continue
+            received = calls.get(child_path)
+            if received is None and any(p.startswith(child_path + ".") for p in calls):
+                visit(child, child_path, None)   # not called itself (PEFT's LoraModel): its children are
+                continue
+            if received is None or received.calls != 1:
+                why = "not called on the example inputs" if received is None else \
+                    f"called {received.calls} times in one forward: a shared module stays exact"
+                capture.regions.append(Region(child_path, "eager", kind, why))
+                continue
+            if _is_user_leaf(child, child_path, leaf_modules) or isinstance(child, RECURRENT_MODULES) \
+                    and not isinstance(child, nn.LSTM):
+                capture.regions.append(Region(child_path, "eager", kind, "kept whole (leaf_modules or a recurrent "
+                                                                         "layer without a sampled version)"))
+                continue
+            if _swappable(child):
+                capture.regions.append(Region(child_path, "leaf", kind,
+                                              "approximable layer in eager code: swapped in place"))
+                continue
+            try:
+                capture.graphs[child_path] = _trace_region(child, _relative_leaves(leaf_modules, child_path),
+                                                           received)
+            except Exception as error:   # noqa: BLE001 — any tracing failure: run it eagerly, descend
+                reason = getattr(error, "reason", None) or f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                visit(child, child_path, Region(child_path, "eager", kind, reason[:300],
+                                                getattr(error, "source_line", None)))
+                continue
+            capture.regions.append(Region(child_path, "traced", kind, "traces"))
+
+    visit(model, "", root)
+    return capture
+
+
+@dataclass
+class RegionInputs:
+    """What one module was called with on the capture step (its first call), how often it was called, and the
+    gradient its output received (one entry per flattened output, ``None`` where none flowed)."""
+
+    args: tuple
+    kwargs: dict
+    calls: int = 1
+    output_grads: list = field(default_factory=list)
+
+
+def _detached(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    # the requires_grad flag stays: the analyses count an input gradient only where the real step has one
+    return value.detach().requires_grad_(value.requires_grad and (value.is_floating_point() or value.is_complex()))
+
+
+def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, RegionInputs]:
+    """Run one step of ``model(*args, **kwargs)`` (the backward of the projection loss, no ``.grad`` written) and
+    record, for every submodule with parameters, what its first call received, how often it was called and the
+    upstream gradient of that call's output. Run it inside the analysis sandbox."""
+    from fxapprox._projection import projection_loss
+
+    seen: dict[str, RegionInputs] = {}
+    handles = []
+
+    def keep_gradient(record: RegionInputs, index: int):
+        def hook(grad):
+            record.output_grads[index] = grad.detach()
+        return hook
+
+    for path, module in model.named_modules():
+        if not path or not any(True for _ in module.parameters()):
+            continue
+
+        def pre_hook(module, hook_args, hook_kwargs, path=path):
+            if path in seen:
+                seen[path].calls += 1
+            else:
+                seen[path] = RegionInputs(tree_map(_detached, tuple(hook_args)), tree_map(_detached, dict(hook_kwargs)))
+
+        def post_hook(module, hook_args, hook_kwargs, output, path=path):
+            record = seen[path]
+            if record.calls != 1 or record.output_grads:
+                return
+            flat = tree_flatten(output)[0]
+            record.output_grads = [None] * len(flat)
+            for index, value in enumerate(flat):
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    value.register_hook(keep_gradient(record, index))
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+    try:
+        with torch.enable_grad():
+            loss = projection_loss(model(*args, **kwargs))
+            parameters = [p for p in model.parameters() if p.requires_grad]
+            if loss.requires_grad and parameters:
+                torch.autograd.grad(loss, parameters, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def bind_placeholders(gm: torch.fx.GraphModule, module_forward, inputs: RegionInputs) -> list:
+    """The values of ``gm``'s placeholders (named after ``module_forward``'s parameters) for these inputs."""
+    bound = inspect.signature(module_forward).bind(*inputs.args, **inputs.kwargs)
+    bound.apply_defaults()
+    values = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        name = node.target.lstrip("*")
+        if name not in bound.arguments:
+            raise TypeError(f"no value for input {name!r}")
+        values.append(bound.arguments[name])
+    return values
