@@ -198,7 +198,7 @@ def table(rows: list[dict], extra: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=240)
     parser.add_argument("--lora-steps", type=int, default=80)
@@ -212,7 +212,7 @@ def main() -> None:
     parser.add_argument("--no-lora", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke run)")
     parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.lora_steps, args.seq, args.batch, args.eval_every = 12, 6, 32, 4, 4
     torch.set_num_threads(int(os.environ.get("FXAPPROX_THREADS", "2")))
@@ -279,6 +279,7 @@ def main() -> None:
                              label: r.get("note", "")[:140] for label, r in lora_results.items()}))
         markdown += "\n\n![Llama LM curves](docs/llama_lm.png)"
         write_section("llama_lm", markdown)
+    return {"results": results, "comparison": rows, "lora": lora_results}
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def _as_inputs(example_inputs) -> tuple[tuple, dict]:
 
 
 def approximate(model: nn.Module, budget: float | str = 0.5, *, example_inputs=None, memory_budget: float | None = None,
-                method: str = "auto", config: ApproxConfig | None = None) -> ApproxGraphModule:
+                method: str = "auto", config: ApproxConfig | None = None) -> nn.Module:
     """Return a copy of ``model`` whose training step spends at most ``budget`` of the exact FLOPs.
 
     ``budget`` is the fraction, in (0, 1], of the exact model's training-step
@@ -204,9 +204,19 @@ def approximate(model: nn.Module, budget: float | str = 0.5, *, example_inputs=N
     (it would cost more training steps than it saves time: the plan's note says
     so). ``budget="auto"``: the plan predicted to reach a given loss soonest,
     exact when none is predicted to beat exact training. With
-    ``example_inputs`` the model is analysed and planned at once; otherwise on
+    ``example_inputs`` (a tensor, a tuple of positional inputs or a dict of
+    keyword inputs) the model is analysed and planned at once; otherwise on
     the first batch it sees. ``model`` is never modified; it may be an
     ``nn.Module`` or an already traced ``torch.fx.GraphModule``.
+
+    The result is an :class:`ApproxGraphModule` when torch.fx traces the model
+    whole. Where the model's own code does not trace (Hugging Face models on
+    transformers 5), it is a copy of the model of its own class, captured region
+    by region (:mod:`fxapprox.eager`: traced children, approximable layers
+    swapped in place, the rest run eagerly and exactly), with the same ``.plan``,
+    ``.report``, ``.history`` and ``.set_approximate``;
+    ``ApproxConfig(strict_trace=True)`` raises :class:`fxapprox.TraceError`
+    instead.
 
     Example::
 
@@ -214,6 +224,7 @@ def approximate(model: nn.Module, budget: float | str = 0.5, *, example_inputs=N
         >>> approx = fxapprox.approximate(model, budget=0.5, example_inputs=(torch.randn(8, 3, 64, 64),))
         >>> approx.report.show()
         >>> torchvision.models.resnet18().load_state_dict(approx.state_dict())
+        >>> llm = fxapprox.approximate(LlamaForCausalLM(config), 0.5, example_inputs={"input_ids": ids, "labels": ids})
     """
     if budget != AUTO_BUDGET:
         budget = check_fraction("budget", budget)

@@ -90,7 +90,9 @@ class ApproxConfig:
       (recurrent modules are always leaves).
     - ``strict_trace``: ``False`` (default): a submodule torch.fx cannot trace is kept
       whole and exact, and the plan and report say which and why
-      (``Plan.untraced``); ``True``: raise :class:`fxapprox.TraceError` instead.
+      (``Plan.untraced``); where the model's own code does not trace, it is captured
+      region by region (``Plan.regions``, docs/hugging_face.md); ``True``: raise
+      :class:`fxapprox.TraceError` instead.
     - ``overrides``: :class:`LayerOverride` rules; the first matching rule wins.
     - ``policy``: how the budget is spent. ``"measured"`` (default): every
       candidate (method × mode × keep-ratio on ``keep_ratios``) of every layer is

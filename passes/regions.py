@@ -120,6 +120,9 @@ def _trace_region(module: nn.Module, leaf_modules: tuple, inputs: "RegionInputs"
     for name, value in bound.arguments.items():
         if isinstance(value, torch.Tensor):
             continue
+        if isinstance(value, (tuple, list, dict)):   # torch.fx would flatten it into several placeholders
+            raise TraceError(f"called with a constant {type(value).__name__} argument {name!r}",
+                             reason=f"called with a constant {type(value).__name__} argument {name!r} (not traced)")
         if not _is_constant(value):
             raise TraceError(f"called with a {type(value).__name__} argument {name!r}",
                              reason=f"called with a {type(value).__name__} argument {name!r} (not traced)")

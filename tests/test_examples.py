@@ -48,3 +48,23 @@ def test_digits_example_runs(load):
     out = example.main(["--epochs", "1", "--seeds", "1"])
     assert set(out["results"]) == set(example.CONFIGS)
     assert out["results"]["flops 0.5"]["achieved"] < 0.6
+
+
+def test_llama_lm_example_runs(load):
+    pytest.importorskip("transformers")
+    example = load("llama_lm")
+    out = example.main(["--quick", "--no-lora", "--configs", "exact", "DropBP 0.5", "fxapprox 0.5"])
+    results = out["results"]
+    assert set(results) == {"exact", "DropBP 0.5", "fxapprox 0.5"}
+    assert abs(results["DropBP 0.5"]["achieved"] - 0.5) < 0.02   # the baseline runs at the FLOPs of budget 0.5
+    assert all(0.0 <= rate <= 0.95 for rate in results["DropBP 0.5"]["rates"].values())
+    assert results["fxapprox 0.5"]["achieved"] <= 1.0 and results["fxapprox 0.5"]["note"]
+
+
+def test_dropbp_allocation_meets_the_flops_and_prefers_insensitive_blocks(load):
+    dropbp = load("_dropbp")
+    scores = {"a": 1.0, "b": 0.1, "c": 0.5}
+    flops = {"a": 100.0, "b": 100.0, "c": 200.0}
+    rates = dropbp.allocate(scores, flops, 0.5, spread=0.25)
+    assert abs(sum(flops[n] * rates[n] for n in rates) - 0.5 * sum(flops.values())) < 1e-6
+    assert rates["b"] >= rates["c"] >= rates["a"] and all(0.25 <= r <= 0.75 for r in rates.values())
