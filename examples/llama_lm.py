@@ -134,6 +134,8 @@ def train(label: str, base, data, validation, args, seed: int, steps: int, lora:
         optimizer.step()
         schedule.step()
         clock += time.perf_counter() - start
+        if step == 1 and isinstance(model, fxapprox.runtime.ApproxRuntime):   # the plan made on the first batch
+            result.update(first_achieved=model.plan.achieved, first_gain=model.plan.predicted_gain)
         if step % args.eval_every == 0 or step == steps:
             result["curve"].append((clock, step, evaluate(model, validation)))
     if isinstance(model, fxapprox.runtime.ApproxRuntime):
@@ -188,6 +190,16 @@ def plot(results: dict, lora: dict | None, path: pathlib.Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def _plan_summary(result: dict) -> str:
+    """The first plan (made on the first batch) and what the guard did, one cell."""
+    gain = result.get("first_gain")
+    first = f"first plan {result['first_achieved']:.3f} of the FLOPs" + (
+        f", predicted {gain:.2f}x sooner to a given loss" if gain is not None else "")
+    note = result["note"]
+    note = note if len(note) <= 110 else note[:110] + "…"
+    return f"{first}; {result.get('replans', 0)} re-plan(s); final: {note}"
+
+
 def table(rows: list[dict], extra: dict) -> str:
     lines = ["| config | training FLOPs | step speed-up | val loss (final, equal steps) | vs exact | "
              "at exact's wall-clock: loss | vs exact | plan |", "|---|---|---|---|---|---|---|---|"]
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = mean_results(per_seed)
     rows = compare(results)
     print_rows(rows)
-    notes = {label: (f"{r['note'][:140]}…" if len(r.get("note", "")) > 140 else r.get("note", ""))
+    notes = {label: " / ".join(f"seed {seed}: {_plan_summary(runs[label])}" for seed, runs in zip(args.seeds, per_seed))
              for label, r in results.items() if "note" in r}
     for label, r in results.items():
         if "rates" in r:
@@ -276,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         if lora_results is not None:
             markdown += (f"\n\nLoRA (r=16 on every projection) fine-tuning of the exact model for {args.lora_steps} "
                          f"steps on the `rich` package's sources (unseen):\n\n" + table(lora_rows, {
-                             label: r.get("note", "")[:140] for label, r in lora_results.items()}))
+                             label: _plan_summary(r) for label, r in lora_results.items() if "note" in r}))
         markdown += "\n\n![Llama LM curves](docs/llama_lm.png)"
         write_section("llama_lm", markdown)
     return {"results": results, "comparison": rows, "lora": lora_results}

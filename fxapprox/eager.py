@@ -107,9 +107,6 @@ class ApproxModel(ApproxRuntime):
         raise NotImplementedError("replan_memory needs a memory plan, which a hierarchically captured model does "
                                   "not have yet")
 
-    def _portable_state(self) -> dict:
-        return {**self._fxapprox_state, "check": None, "in_reference": False}
-
     def __deepcopy__(self, memo):
         check = self._fxapprox_state.get("check")
         if check is not None:   # the check in flight holds the batch and hooks of this module's tensors

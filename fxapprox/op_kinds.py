@@ -436,7 +436,8 @@ class LSTMKind(OpKind):
         return [], [name for name, _ in module.named_parameters() if name.startswith("weight")]
 
 
-def _hf_conv1d_base(module: nn.Module) -> type | None:
+def hf_conv1d_class(module: nn.Module) -> type | None:
+    """Hugging Face's ``Conv1D`` class if ``module`` is one (matched by class, so transformers is not imported)."""
     return next((c for c in type(module).__mro__
                  if c.__name__ == "Conv1D" and c.__module__.startswith("transformers")), None)
 
@@ -448,7 +449,7 @@ class HFConv1DKind(OpKind):
     name = "conv1d_hf"
 
     def match(self, gm, node):
-        if node.op != "call_module" or _hf_conv1d_base(gm.get_submodule(node.target)) is None:
+        if node.op != "call_module" or hf_conv1d_class(gm.get_submodule(node.target)) is None:
             return None
         module = gm.get_submodule(node.target)
         n_in, n_out = module.weight.shape
@@ -457,7 +458,7 @@ class HFConv1DKind(OpKind):
 
     def blocker(self, gm, node, meta):
         module = gm.get_submodule(node.target)
-        return _own_forward_blocker(module, _hf_conv1d_base(module))
+        return _own_forward_blocker(module, hf_conv1d_class(module))
 
     def build(self, gm, node, spec, lstm=LSTMBackward()):
         return ApproxConv1D.from_conv1d(gm.get_submodule(node.target), spec)
@@ -470,5 +471,5 @@ for _handler in (LinearKind(), Conv2dKind(), FunctionalLinearKind(), FunctionalC
                  LSTMKind(), HFConv1DKind()):
     register_op_kind(_handler)
 
-__all__ = ["OP_KINDS", "OpKind", "conv2d_call_args", "handler_for", "kept_count", "linear_call_args", "match_node",
-           "parameter_of", "register_op_kind"]
+__all__ = ["OP_KINDS", "OpKind", "conv2d_call_args", "handler_for", "hf_conv1d_class", "kept_count",
+           "linear_call_args", "match_node", "parameter_of", "register_op_kind"]

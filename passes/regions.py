@@ -30,21 +30,21 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxapprox.errors import TraceError
-from fxapprox.passes.trace import RECURRENT_MODULES, UNTRACED_KEY, _is_hf_conv1d, trace_both_modes
+from fxapprox.op_kinds import hf_conv1d_class
+from fxapprox.passes.trace import RECURRENT_MODULES, UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 
 __all__ = ["Capture", "Region", "RegionInputs", "SWAPPED_LEAVES", "bind_placeholders", "capture_regions",
-           "is_hf_conv1d", "record_calls"]
+           "record_calls"]
 
-#: module types swapped in place where they sit in eager code (HF ``Conv1D`` is matched by :func:`is_hf_conv1d`)
+#: module types swapped in place where they sit in eager code (and HF ``Conv1D``, matched by class)
 SWAPPED_LEAVES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.LSTM)
 
 
-is_hf_conv1d = _is_hf_conv1d   # GPT-2's projections: ``x @ W + b`` with an ``[in, out]`` weight
 
 
 def _swappable(module: nn.Module) -> bool:
-    return isinstance(module, SWAPPED_LEAVES) or is_hf_conv1d(module)
+    return isinstance(module, SWAPPED_LEAVES) or hf_conv1d_class(module) is not None
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,6 @@ class Capture:
 
     regions: list[Region] = field(default_factory=list)
     graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
-
-    def of_kind(self, kind: str) -> list[Region]:
-        return [r for r in self.regions if r.kind == kind]
 
 
 def _join(prefix: str, name: str) -> str:

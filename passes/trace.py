@@ -27,6 +27,7 @@ import torch.fx
 from torch import nn
 
 from fxapprox.errors import TraceError
+from fxapprox.op_kinds import hf_conv1d_class
 
 # nn.RNNBase also covers ApproxLSTM (an RNNBase with nn.LSTM's methods, see fxapprox.modules)
 RECURRENT_MODULES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.RNNBase)
@@ -59,12 +60,6 @@ class UntracedModule:
         return asdict(self)
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (matched by class, without importing transformers): a leaf, so that it stays one
-    ``call_module`` node the ``conv1d_hf`` op kind can sample."""
-    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers") for c in type(module).__mro__)
-
-
 class ApproxTracer(torch.fx.Tracer):
     """A ``torch.fx.Tracer`` that keeps recurrent modules, HF ``Conv1D``, named modules and libraries' no-trace
     modules as leaves and wraps libraries' no-trace functions."""
@@ -76,7 +71,8 @@ class ApproxTracer(torch.fx.Tracer):
         self.leaf_types = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type)) + library_modules
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, RECURRENT_MODULES) or isinstance(m, self.leaf_types) or _is_hf_conv1d(m):
+        if isinstance(m, RECURRENT_MODULES) or isinstance(m, self.leaf_types) \
+                or hf_conv1d_class(m) is not None:   # one call_module node the conv1d_hf kind samples
             return True
         if module_qualified_name in self.leaf_names:
             return True
