@@ -20,26 +20,24 @@ from fxapprox.config import ApproxConfig
 from fxapprox.eager import approximate_eager
 from fxapprox.errors import TraceError
 from fxapprox.graph_pickle import graph_from_records, graph_records
+from fxapprox.memory_planning import memory_planned, plan_saved_activations
 from fxapprox.ops.attention import as_in_compressed_training
 from fxapprox.ops.sampling import METHODS
-from fxapprox.passes.attention_recompute import recompute_attention
 from fxapprox.passes.budget_policy import AUTO_BUDGET, plan_budget
 from fxapprox.passes.candidates import enumerate_candidates
-from fxapprox.passes.compact_pooling import compact_max_pools
 from fxapprox.passes.input_saving import plan_input_saving
 from fxapprox.passes.measure_candidates import measure_candidates
 from fxapprox.passes.measure_saved import measure_saved_values
-from fxapprox.passes.memory_policy import memory_candidates, plan_memory, resolve_recompute
+from fxapprox.passes.memory_policy import memory_candidates, plan_memory
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.rewrite_saved import rewrite_saved_activations
-from fxapprox.passes.saved_bytes import measure_saved_bytes
 from fxapprox.passes.trace import UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.runtime import ApproxRuntime, _shapes, initial_state
-from fxapprox.saved_activations import SavingOptions, compress_saved, recompute_saved
+from fxapprox.saved_activations import compress_saved, recompute_saved
 
 
 class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
@@ -85,22 +83,8 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         if untraced:
             plan = dataclasses.replace(plan, untraced=untraced)
         rewrite_sampled_ops(self, plan)
-        memory_budget = state["memory_budget"]
-        if config.activation_bits is not None or (memory_budget is not None and memory_budget < 1.0):
-            compact_max_pools(self)
-            recompute_attention(self)
-            # Sampled layers save gathered copies and max pools byte offsets now: measure the rewritten graph.
-            with measurement_sandbox(self), as_in_compressed_training():
-                measure_saved_bytes(self, *inputs, progress=config.progress)
-                memory_config = state["memory_config"] = resolve_recompute(self, memory_budget, config)
-                if config.activation_policy == "measured" and config.activation_bits is None:
-                    measure_saved_values(self, *inputs, values=memory_candidates(self, memory_config),
-                                         config=memory_config, progress=config.progress)
-            memory_plan = plan_memory(self, memory_budget, memory_config)
-            rewrite_saved_activations(self, memory_plan)
-            plan = dataclasses.replace(plan, memory=memory_plan)
-            state["saving"] = SavingOptions(config.activation_group_size, config.activation_rounding,
-                                            config.activation_compile)
+        if memory_planned(state["memory_budget"], config):
+            plan = plan_saved_activations(self, inputs, plan, state, config)
         state["plan"] = plan
         state["report"] = Report(plan, state["model_name"], _shapes(inputs), state["history"])
         self.set_approximate(state["enabled"])
