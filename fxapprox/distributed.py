@@ -248,6 +248,12 @@ def register_sampled_allreduce(ddp: nn.parallel.DistributedDataParallel, *, proc
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     approx = ddp.module
+    from fxapprox.runtime import ApproxRuntime
+
+    if isinstance(approx, ApproxRuntime) and not isinstance(approx, ApproxGraphModule):
+        raise TypeError(f"register_sampled_allreduce needs a model torch.fx traces whole; {type(approx).__name__} was "
+                        "captured region by region (its own code does not trace). Train it under DDP with full "
+                        "gradient AllReduce (no hook), or trace it yourself and approximate the GraphModule")
     if not isinstance(approx, ApproxGraphModule):
         raise TypeError("ddp must wrap a module returned by fxapprox.approximate, got "
                         f"{type(approx).__name__}; use DistributedDataParallel(fxapprox.approximate(model, ...))")

@@ -117,16 +117,21 @@ def _adopt(cls, original: nn.Module):
     return new
 
 
+def _adopt_linear(cls, original: nn.Module, spec: "SamplingSpec", in_features: int, what: str):
+    """:func:`_adopt` for a linear-like layer reducing over ``in_features`` pairs, with ``spec`` checked and set."""
+    if spec.n != in_features:
+        raise ValueError(f"spec.n={spec.n} does not match {what}={in_features}")
+    new = _adopt(cls, original)
+    new._init_approx(spec)
+    return new
+
+
 class ApproxLinear(ApproxOp, nn.Linear):
     """``nn.Linear`` whose training forward keeps ``k`` of ``in_features`` pairs."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: SamplingSpec) -> "ApproxLinear":
-        if spec.n != linear.in_features:
-            raise ValueError(f"spec.n={spec.n} does not match in_features={linear.in_features}")
-        new = _adopt(cls, linear)
-        new._init_approx(spec)
-        return new
+        return _adopt_linear(cls, linear, spec, linear.in_features, "in_features")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.approximating:
@@ -348,11 +353,7 @@ class ApproxConv1D(ApproxOp, nn.Module):
 
     @classmethod
     def from_conv1d(cls, conv1d: nn.Module, spec: SamplingSpec) -> "ApproxConv1D":
-        if spec.n != conv1d.weight.shape[0]:
-            raise ValueError(f"spec.n={spec.n} does not match the Conv1D's {conv1d.weight.shape[0]} input features")
-        new = _adopt(cls, conv1d)
-        new._init_approx(spec)
-        return new
+        return _adopt_linear(cls, conv1d, spec, conv1d.weight.shape[0], "the Conv1D's input features")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.approximating:

@@ -16,6 +16,8 @@ put in place of its module in the model, each rewritten leaf is injected by name
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 from torch import nn
@@ -66,13 +68,6 @@ def stitched_loss(*outputs_and_gradients) -> torch.Tensor:
 
 def _safe(path: str) -> str:
     return path.replace(".", "_") or "root"
-
-
-def _attribute(module: nn.Module, target: str):
-    value = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _gradients(graph: torch.fx.Graph, prefix: str, received: RegionInputs, values: list) -> torch.fx.Node:
@@ -129,7 +124,7 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
                 if node.op in ("call_module", "get_attr"):
                     target = f"{region.path}.{node.target}"
                     objects[target] = (region_gm.get_submodule(node.target) if node.op == "call_module"
-                                       else _attribute(region_gm, node.target))
+                                       else operator.attrgetter(node.target)(region_gm))
                 new = graph.create_node(node.op, target, torch.fx.node.map_arg(node.args, lambda n: env[n]),
                                         torch.fx.node.map_arg(node.kwargs, lambda n: env[n]),
                                         name=f"{prefix}_{node.name}", type_expr=node.type)
@@ -210,7 +205,7 @@ def install_regions(model: nn.Module, stitched: torch.fx.GraphModule, capture: C
                         delattr(stitched, target)
                         node.target = target = moved
                     objects[target[len(prefix):]] = (stitched.get_submodule(target) if node.op == "call_module"
-                                                      else _attribute(stitched, target))
+                                                      else operator.attrgetter(target)(stitched))
                     target = target[len(prefix):]
                 new = graph.create_node(node.op, target, torch.fx.node.map_arg(node.args, lambda n: env[n]),
                                         torch.fx.node.map_arg(node.kwargs, lambda n: env[n]),

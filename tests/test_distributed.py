@@ -272,3 +272,29 @@ def test_clear_errors(results):
         assert "plans differ" in errors["plans_differ"] and "[0]" in errors["plans_differ"]
         assert "find_unused_parameters" in errors["find_unused"]
         assert "dtype" in errors["bad_dtype"] and "floating-point" in errors["bad_dtype"]
+
+
+class _BranchingRoot(torch.nn.Module):
+    """Data-dependent control flow in the root's own code: captured region by region."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        if x.sum() > 0:
+            x = x * 2
+        return self.fc2(x)
+
+
+def test_sampled_allreduce_refuses_a_region_captured_model_and_says_why(tmp_path):
+    approx = fxapprox.approximate(_BranchingRoot(), 0.5, example_inputs=(torch.randn(8, 32),),
+                                  config=fxapprox.ApproxConfig(policy="flops", min_channels=4))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(approx)
+        with pytest.raises(TypeError, match="captured region by region"):
+            register_sampled_allreduce(ddp)
+    finally:
+        dist.destroy_process_group()
