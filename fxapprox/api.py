@@ -19,7 +19,7 @@ from fxapprox.analysis import analyse, measurement_sandbox
 from fxapprox.config import ApproxConfig
 from fxapprox.eager import approximate_eager
 from fxapprox.errors import TraceError
-from fxapprox.graph_pickle import graph_from_records, graph_records
+from fxapprox.graph_pickle import reduce_graph_module
 from fxapprox.memory_planning import memory_planned, plan_saved_activations
 from fxapprox.ops.attention import as_in_compressed_training
 from fxapprox.ops.sampling import METHODS
@@ -36,7 +36,7 @@ from fxapprox.passes.trace import UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
-from fxapprox.runtime import ApproxRuntime, _shapes, initial_state
+from fxapprox.runtime import ApproxRuntime, _shapes, agreed_plan, initial_state
 from fxapprox.saved_activations import compress_saved, recompute_saved
 
 
@@ -78,7 +78,8 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         if config.policy == "measured" and (state["budget"] == AUTO_BUDGET or state["budget"] < 1.0):
             with measurement_sandbox(self):
                 measure_candidates(self, *inputs, config=config, progress=config.progress)
-        plan = plan_input_saving(self, plan_budget(self, state["budget"], state["method"], config))
+        plan = agreed_plan(self, plan_input_saving(self, plan_budget(self, state["budget"], state["method"], config)),
+                           state)
         untraced = tuple(u.to_dict() for u in self.meta.get(UNTRACED_KEY, ()))
         if untraced:
             plan = dataclasses.replace(plan, untraced=untraced)
@@ -143,27 +144,10 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         return result
 
     def __reduce__(self):
-        # GraphModule pickles its generated code and re-traces it on load: that would lose this class, its
-        # plan and state, the nodes' analysis meta, and the memory plan's marker nodes (outside a compressing
-        # forward they do nothing, so a tracer records nothing; re-tracing them raised TraceError). The graph
-        # itself pickles (its targets are importable functions, method names and submodule paths): store it.
+        # the graph as records (fxapprox/graph_pickle.py): GraphModule's own pickling re-traces its code
         body = self.__dict__.copy()
         body["_fxapprox_state"] = self._portable_state()
-        graph = body.pop("_graph")
-        for generated in ("_code", "_lineno_map", "_prologue_start"):
-            body.pop(generated, None)
-        return (_rebuild_approx_graph_module, (body, graph_records(graph), graph._codegen, type(self).__name__))
-
-
-def _rebuild_approx_graph_module(body: dict, records: list[tuple], codegen, class_name: str) -> "ApproxGraphModule":
-    """Unpickle an :class:`ApproxGraphModule` (see ``__reduce__``): the same graph, submodules and state."""
-    root = nn.Module()
-    for key in ("_modules", "_parameters", "_buffers"):
-        root.__dict__[key] = body[key]
-    module = ApproxGraphModule(root, graph_from_records(records, codegen), class_name=class_name)
-    for key, value in body.items():
-        module.__dict__[key] = value
-    return module
+        return reduce_graph_module(self, body)
 
 
 def _as_inputs(example_inputs) -> tuple[tuple, dict]:

@@ -139,9 +139,8 @@ def _check_plans_agree(approx, group) -> None:
             groups.setdefault(value, []).append(rank)
         described = "; ".join(f"ranks {ranks} share plan {value:015x}" for value, ranks in groups.items())
         raise ValueError("register_sampled_allreduce: the ranks' plans differ, so they would keep different "
-                         f"slices ({described}); plan on the same example_inputs, budget and config everywhere "
-                         "(a measured plan also depends on timings: use ApproxConfig(min_speedup=None) there, or "
-                         "policy=\"flops\")")
+                         f"slices ({described}); approximate with the same budget, method, memory_budget and config "
+                         "on every rank (then every rank trains with rank 0's plan)")
 
 
 def _sampled_hook(state: SampledAllReduceState, bucket):

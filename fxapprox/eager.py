@@ -25,12 +25,15 @@ from torch import nn
 from fxapprox.analysis import analyse, measurement_sandbox
 from fxapprox.config import ApproxConfig
 from fxapprox.errors import TraceError
+from fxapprox.memory_planning import memory_planned, plan_saved_activations
 from fxapprox.graph_pickle import graph_from_records, graph_records
 from fxapprox.passes._meta import fx_meta
 from fxapprox.passes.budget_policy import AUTO_BUDGET, plan_budget
 from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.eager_flops import count_eager_flops, count_step_flops
+from fxapprox.passes.eager_saved import count_eager_saved_bytes
 from fxapprox.passes.input_saving import plan_input_saving
+from fxapprox.passes.memory_policy import EAGER_SAVED_KEY
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY, measure_candidates, time_step
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.regions import Region, capture_regions, record_calls
@@ -38,7 +41,7 @@ from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.stitch import EagerCode, install_regions, stitch, stitched_loss
 from fxapprox.plan import Plan
 from fxapprox.report import Report
-from fxapprox.runtime import ApproxRuntime, _shapes, initial_state
+from fxapprox.runtime import ApproxRuntime, _shapes, agreed_plan, initial_state
 
 __all__ = ["ApproxModel", "approximate_eager"]
 
@@ -64,6 +67,8 @@ class ApproxModel(ApproxRuntime):
             received = record_calls(self, args, kwargs)
             capture = capture_regions(self, Region.from_dict(state["root"]), received, config.leaf_modules)
             forward_flops, step_flops = count_step_flops(self, args, kwargs)
+            eager_saved = (count_eager_saved_bytes(self, capture, args, kwargs)
+                           if memory_planned(state["memory_budget"], config) else {})
         planning, inputs = stitch(self, capture, received)
         analyse(planning, inputs, progress=config.progress)
         for node in planning.graph.find_nodes(op="call_function", target=stitched_loss):   # not the model's
@@ -73,6 +78,7 @@ class ApproxModel(ApproxRuntime):
         for node in planning.graph.nodes:
             if isinstance(node.target, EagerCode):
                 fx_meta(node)["flops_fwd"], fx_meta(node)["flops_bwd"] = eager_flops.get(node.target.path, (0, 0))
+                fx_meta(node)[EAGER_SAVED_KEY] = eager_saved.get(node.target.path, 0)
         rank_layers(planning)
         enumerate_candidates(planning, state["method"], config)
         if config.policy == "measured" and (state["budget"] == AUTO_BUDGET or state["budget"] < 1.0):
@@ -82,9 +88,12 @@ class ApproxModel(ApproxRuntime):
                 with measurement_sandbox(self), self._exact_calls():
                     planning.meta[EXACT_STEP_KEY] = time_step(self, lambda: super(ApproxRuntime, self).__call__(
                         *args, **kwargs), config.measure_repeats)
-        plan = plan_input_saving(planning, plan_budget(planning, state["budget"], state["method"], config))
+        plan = agreed_plan(planning, plan_input_saving(planning, plan_budget(planning, state["budget"], state["method"],
+                                                                             config)), state)
         plan = dataclasses.replace(plan, regions=tuple(r.to_dict() for r in capture.regions))
         rewrite_sampled_ops(planning, plan)
+        if memory_planned(state["memory_budget"], config):
+            plan = plan_saved_activations(planning, inputs, plan, state, config)
         install_regions(self, planning, capture)
         state["planning"] = planning
         state["plan"] = plan
@@ -104,8 +113,8 @@ class ApproxModel(ApproxRuntime):
             state["in_reference"] = False
 
     def replan_memory(self, *args, **kwargs) -> Plan:
-        raise NotImplementedError("replan_memory needs a memory plan, which a hierarchically captured model does "
-                                  "not have yet")
+        raise NotImplementedError("replan_memory is not available on a hierarchically captured model (its regions' "
+                                  "inputs would have to be recorded again): its memory plan is made once")
 
     def __deepcopy__(self, memo):
         check = self._fxapprox_state.get("check")
@@ -175,11 +184,11 @@ def _rebuild_eager(user_class: type, body: dict) -> nn.Module:
 def approximate_eager(model: nn.Module, root_error: TraceError, *, budget, memory_budget, method: str,
                       config: ApproxConfig, model_name: str) -> nn.Module:
     """A copy of ``model`` (whose own code failed to trace with ``root_error``) captured region by region."""
-    if memory_budget is not None and memory_budget < 1.0 or config.activation_bits is not None:
+    if config.activation_replan_every is not None and memory_planned(memory_budget, config):
         raise NotImplementedError(
-            f"memory_budget and activation_bits need a model torch.fx traces whole; {model_name}'s own code does not "
-            f"trace ({root_error.reason}). Trace it yourself (e.g. with concrete_args) and pass the GraphModule, or "
-            f"use the compute budget alone")
+            f"activation_replan_every: {model_name}'s own code does not trace ({root_error.reason}); its memory plan "
+            f"is made once (replan_memory is not available on a hierarchically captured model). Leave "
+            f"activation_replan_every=None, or trace the model yourself and pass the GraphModule")
     copied = copy.deepcopy(model)
     copied.__class__ = _approx_class(type(copied))
     root = Region("", "eager", type(model).__name__, root_error.reason or str(root_error).splitlines()[0],

@@ -1,8 +1,10 @@
-"""Pickling an :class:`~fxapprox.api.ApproxGraphModule`: its graph as plain records, node meta included.
+"""Pickling fxapprox's GraphModules (:class:`~fxapprox.api.ApproxGraphModule`, a hierarchically captured model's
+regions): the graph as plain records, node meta included.
 
 ``GraphModule`` pickles its generated code and re-traces it on load, which would lose the class, the plan and
-state, the nodes' analysis meta and the memory plan's marker nodes; the graph itself pickles (its targets are
-importable functions, method names and submodule paths), so it is stored as records.
+state, the nodes' analysis meta and the memory plan's marker nodes (outside a compressing forward they do nothing,
+so a tracer records nothing); the graph itself pickles (its targets are importable functions, method names and
+submodule paths), so it is stored as records.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-__all__ = ["graph_from_records", "graph_records"]
+__all__ = ["RecordedGraphModule", "graph_from_records", "graph_records", "reduce_graph_module"]
 
 
 class _NodeName(str):
@@ -59,3 +61,33 @@ def graph_from_records(records: list[tuple], codegen) -> torch.fx.Graph:
     graph._codegen = codegen
     return graph
 
+
+
+def reduce_graph_module(gm: torch.fx.GraphModule, body: dict | None = None) -> tuple:
+    """``__reduce__`` of ``gm``: its ``__dict__`` (or ``body``) without the graph and generated code, and the graph
+    as records; rebuilt as the same class (``GraphModule`` makes a subclass per instance: its first base)."""
+    body = dict(gm.__dict__ if body is None else body)
+    graph = body.pop("_graph")
+    for generated in ("_code", "_lineno_map", "_prologue_start"):
+        body.pop(generated, None)
+    return (_rebuild_graph_module, (type(gm).__mro__[1], body, graph_records(graph), graph._codegen,
+                                    type(gm).__name__))
+
+
+def _rebuild_graph_module(cls: type, body: dict, records: list[tuple], codegen, class_name: str):
+    from torch import nn
+
+    root = nn.Module()
+    for key in ("_modules", "_parameters", "_buffers"):
+        root.__dict__[key] = body[key]
+    module = cls(root, graph_from_records(records, codegen), class_name=class_name)
+    for key, value in body.items():
+        module.__dict__[key] = value
+    return module
+
+
+class RecordedGraphModule(torch.fx.GraphModule):
+    """A ``GraphModule`` that pickles its graph as records: marker nodes and node meta survive ``torch.save``."""
+
+    def __reduce__(self):
+        return reduce_graph_module(self)

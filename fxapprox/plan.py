@@ -100,6 +100,8 @@ class MemoryPlan:
     values: tuple[SavedValueDecision, ...] = field(default_factory=tuple)
     #: predicted model-gradient error of the chosen widths (measured memory policy only)
     predicted_error: float | None = None
+    #: of ``internal_bytes``, what eager code saves in a hierarchically captured model (kept exact)
+    eager_bytes: int = 0
 
     @property
     def achieved(self) -> float:
@@ -118,14 +120,16 @@ class MemoryPlan:
         return {"memory_budget": self.memory_budget, "total_exact_bytes": self.total_exact_bytes,
                 "total_planned_bytes": self.total_planned_bytes, "internal_bytes": self.internal_bytes,
                 "achieved": self.achieved, "budget_met": self.budget_met, "note": self.note,
-                "values": [v.to_dict() for v in self.values], "predicted_error": self.predicted_error}
+                "values": [v.to_dict() for v in self.values], "predicted_error": self.predicted_error,
+                "eager_bytes": self.eager_bytes}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MemoryPlan":
         values = tuple(SavedValueDecision(**v) for v in data["values"])
         fields = {k: data[k] for k in ("memory_budget", "total_exact_bytes", "total_planned_bytes",
                                        "internal_bytes", "budget_met", "note")}
-        return cls(values=values, predicted_error=data.get("predicted_error"), **fields)
+        return cls(values=values, predicted_error=data.get("predicted_error"), eager_bytes=data.get("eager_bytes", 0),
+                   **fields)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxapprox.errors import AnalysisError
+from fxapprox.passes._meta import OUTSIDE_MODEL_KEY
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -78,7 +79,7 @@ class NodeIsolationInterpreter(torch.fx.Interpreter):
                 f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
 
     def _measure_and_run(self, n: torch.fx.Node):
-        if n.op in COMPUTE_OPS:
+        if n.op in COMPUTE_OPS and not n.meta.get(OUTSIDE_MODEL_KEY):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             grad_leaves: list[torch.Tensor] = []
             iso_args, iso_kwargs = tree_map(lambda v: _isolate(v, grad_leaves), (args, kwargs))

@@ -38,7 +38,8 @@ one's relative gradient error, and errors of different layers add in squares:
   error ``e_in·‖dX‖`` reaches the parameterised nodes first met upstream, as a
   relative error of ``e_in·‖dX‖ / ‖dY_a‖`` each (capped at ``e_in``). The
   candidate adds ``(e_w² + W_in·e_in²) / N`` with
-  ``W_in = Σ_a min(1, (‖dX‖ / ‖dY_a‖)²)``. Further upstream the error is merged
+  ``W_in = Σ_a min(1, (‖dX‖ / ‖dY_a‖)²)`` (in a stitched planning graph a region's
+  input fed by eager code counts as one such node of unknown norm: 1). Further upstream the error is merged
   into larger gradients (a residual stream) and is not counted: with every
   upstream node counted in full, the prediction ranked backward sampling far
   below weight-gradient sampling, which training did not bear out;
@@ -75,7 +76,7 @@ from fxapprox.config import AUTO_METHODS, ApproxConfig
 from fxapprox.op_kinds import handler_for, kept_count
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.passes._allocation import least_error_allocation
-from fxapprox.passes._meta import fx_meta, train_flops
+from fxapprox.passes._meta import UPSTREAM_OUTSIDE_KEY, fx_meta, train_flops
 from fxapprox.passes.candidates import enumerate_candidates, parameterised, planned_layers
 from fxapprox.passes.graph_view import target_name, to_networkx
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY
@@ -115,7 +116,7 @@ def _share(part: float | None, whole: float | None) -> float:
     return min(1.0, (part / whole) ** 2)
 
 
-def _nearest_owners(graph: nx.DiGraph, sources: list[str], owners: dict) -> set[str]:
+def _nearest_owners(graph: nx.DiGraph, sources: list[str], owners) -> set[str]:
     """The parameterised nodes first reached going upstream from ``sources`` (a source itself included)."""
     found, seen, frontier = set(), set(), list(sources)
     while frontier:
@@ -139,6 +140,9 @@ def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str,
     """
     graph = to_networkx(gm)
     owners = {n.name: fx_meta(n).get("norms", {}) for n in gm.graph.nodes if parameterised(gm, n)}
+    # a region's input in a stitched planning graph comes from code outside the graph that has parameters
+    # upstream: it counts as one owner of unknown norm (the conservative share, 1)
+    reached = owners.keys() | {n.name for n in gm.graph.nodes if n.meta.get(UPSTREAM_OUTSIDE_KEY)}
     weights: dict[str, float] = {}
     if nodes is None:
         nodes = [n for n in gm.graph.nodes if handler_for(fx_meta(n)) is not None]
@@ -153,8 +157,8 @@ def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str,
         sources = [a.name for i, a in enumerate(node.args)
                    if isinstance(a, torch.fx.Node) and i not in weight_positions]
         sources += [a.name for a in node.kwargs.values() if isinstance(a, torch.fx.Node)]
-        weights[node.name] = sum(_share(norms.get("input_grad"), owners[a].get("output_grad"))
-                                 for a in _nearest_owners(graph, sources, owners))
+        weights[node.name] = sum(_share(norms.get("input_grad"), owners[a].get("output_grad")) if a in owners
+                                 else 1.0 for a in _nearest_owners(graph, sources, reached))
     return weights, max(1, len(owners))
 
 

@@ -52,10 +52,12 @@ from fxapprox.ops.attention import attention_from_saved_inputs
 from fxapprox.ops.quantize import quantized_nbytes
 from fxapprox.plan import MemoryPlan, SavedValueDecision
 from fxapprox.passes._allocation import least_error_allocation
-from fxapprox.passes._meta import fx_meta
+from fxapprox.passes._meta import SAME_TENSOR_KEY, fx_meta
 from fxapprox.saved_activations import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES
 
 _STEPS = (8, 4, 2)
+#: ``node.meta["fxapprox"]`` key of an eager-code node: the bytes its code saves (kept exact)
+EAGER_SAVED_KEY = "eager_saved_bytes"
 #: savers whose backward exponentiates a product of their saved inputs, with the fewest bits those inputs keep.
 #: Attention's weights are ``softmax(q·kᵀ)``: a quantisation error in the scores is multiplied through ``exp``, and
 #: it grows as the model trains, which the example batch (at initialisation, near-uniform attention) does not
@@ -121,7 +123,7 @@ def _values(gm: torch.fx.GraphModule) -> tuple[dict[str, _Value], int, int]:
     root_of: dict[str, str] = {}
     values: dict[str, _Value] = {}
     for node in gm.graph.nodes:
-        alias = fx_meta(node).get("alias_of")
+        alias = fx_meta(node).get("alias_of") or node.meta.get(SAME_TENSOR_KEY)
         if alias is not None and alias in root_of:
             root_of[node.name] = root_of[alias]
             values[root_of[alias]].members.append(node)
@@ -144,7 +146,8 @@ def _values(gm: torch.fx.GraphModule) -> tuple[dict[str, _Value], int, int]:
             value.derived += size
             value.savers.add(node.name)
             value.sign_only = False
-        internal += meta.get("saved_internal_bytes", 0)
+        # eager code's saves (a hierarchically captured model, passes/eager_saved.py) stay as they are, too
+        internal += meta.get("saved_internal_bytes", 0) + meta.get(EAGER_SAVED_KEY, 0)
         internal_bool += meta.get("saved_internal_bool_bytes", 0)
     return {name: v for name, v in values.items() if v.exact_bytes}, internal, internal_bool
 
@@ -394,8 +397,11 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
                    f"and {_mib(planned_internal)} of temporaries stay as they are")
     predicted = math.sqrt(sum(errors.values())) if measured else None
     error_text = "" if predicted is None else f"; predicted model-gradient error {predicted:.3f}"
+    eager = sum(fx_meta(n).get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
+    eager_text = f"; {_mib(eager)} saved by eager code, kept exact" if eager else ""
     note = (f"saved activations: exact {_mib(exact_total)}, planned {_mib(planned)} "
-            f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}{why_not}{error_text})")
+            f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}{why_not}{error_text}"
+            f"{eager_text})")
     decisions = []
     for name, value in values.items():
         b = bits[name]
@@ -410,4 +416,4 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
             recomputed_from=source))
     return MemoryPlan(memory_budget=memory_budget, total_exact_bytes=int(exact_total),
                       total_planned_bytes=int(planned), internal_bytes=int(internal), budget_met=met, note=note,
-                      values=tuple(decisions), predicted_error=predicted)
+                      values=tuple(decisions), predicted_error=predicted, eager_bytes=int(eager))

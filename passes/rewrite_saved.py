@@ -32,9 +32,12 @@ def rewrite_saved_activations(gm: torch.fx.GraphModule, memory_plan: MemoryPlan)
     """
     by_name = {node.name: node for node in gm.graph.nodes}
     for decision in memory_plan.compressed:
-        last = by_name[(decision.aliases or [decision.node])[-1]]
-        with gm.graph.inserting_after(last):
-            gm.graph.call_function(compress_saved, (last, decision.bits, decision.sign_exact))
+        members = [by_name[name] for name in (decision.node, *decision.aliases)]
+        # after the last view or in-place write; the same tensor received by several regions of a stitched graph
+        # is marked in each (each may be the first to save it)
+        for last in members if all(m.op == "placeholder" for m in members) else members[-1:]:
+            with gm.graph.inserting_after(last):
+                gm.graph.call_function(compress_saved, (last, decision.bits, decision.sign_exact))
     for decision in memory_plan.recomputed:
         node, last = by_name[decision.node], by_name[(decision.aliases or [decision.node])[-1]]
         recipe, source = recipe_of(gm, node, linear=True)   # the plan only lists what its config allowed

@@ -39,6 +39,7 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
     def __init__(self, gm: torch.fx.GraphModule, progress: bool = False) -> None:
         super().__init__(gm, progress)
         self._state_storages = state_storages(gm)
+        self._isolated_state: set[int | None] = set()   # copies of state's views, for the node being measured
 
     def _input_storages(self, node: torch.fx.Node) -> dict[int, tuple[str, int, torch.Tensor]]:
         """Storage of each isolated tensor input → (the graph node it is, its version before running, it)."""
@@ -48,14 +49,21 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
         for arg, value in zip(arg_leaves, value_leaves):
             if isinstance(arg, torch.fx.Node) and isinstance(value, torch.Tensor):
                 storage = storage_ptr(value)
-                if storage is not None and storage not in self._state_storages:
+                real = self.env.get(arg)
+                if isinstance(real, torch.Tensor) and storage_ptr(real) in self._state_storages:
+                    # a view of a parameter or buffer (``weight.T``): stored anyway. The isolated run copies it, so
+                    # its copy's storage is not state's.
+                    self._isolated_state.add(storage)
+                elif storage is not None and storage not in self._state_storages:
                     storages.setdefault(storage, (arg.name, value._version, value))
         return storages
 
     def measure(self, node, run, grad_inputs) -> None:
         packed: dict[tuple, tuple[int | None, int, torch.dtype]] = {}
         derived: dict[int, int] = {}
-        state_storages = self._state_storages
+        self._isolated_state = set()
+        inputs = self._input_storages(node)
+        state_storages = self._state_storages | self._isolated_state
 
         def pack(tensor: torch.Tensor) -> int:
             storage = storage_ptr(tensor)
@@ -75,7 +83,6 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
             if copy_storage is not None and source_storage is not None:
                 derived[copy_storage] = source_storage
 
-        inputs = self._input_storages(node)
         with saved_tensors_hooks(pack, unpack), record_derivations(on_derived):
             outputs = [t for t in tree_flatten(run())[0] if isinstance(t, torch.Tensor)]
         output_storages = {storage_ptr(t) for t in outputs} - {None}

@@ -24,8 +24,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fxapprox._projection import projection_direction
-from fxapprox.passes._meta import fx_meta
+from fxapprox.graph_pickle import RecordedGraphModule
+from fxapprox.passes._meta import OUTSIDE_MODEL_KEY, SAME_TENSOR_KEY, UPSTREAM_OUTSIDE_KEY, fx_meta
 from fxapprox.passes.regions import Capture, RegionInputs, bind_placeholders
+from fxapprox.saved_activations import compress_saved
 
 __all__ = ["EagerCode", "REGION_KEY", "install_regions", "stitch", "stitched_loss"]
 
@@ -70,6 +72,30 @@ def _safe(path: str) -> str:
     return path.replace(".", "_") or "root"
 
 
+def _tensor_identity(value) -> tuple | None:
+    """What makes two recorded inputs the same tensor (each recorded input is its own detached view)."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    return value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.requires_grad
+
+
+def _input(graph: torch.fx.Graph, name: str, value, path: str, firsts: dict[tuple, torch.fx.Node]) -> torch.fx.Node:
+    """A placeholder for what region ``path`` received: marked when its gradient flows on outside the graph, and
+    as the same tensor as an earlier region's input (a layer norm's output that an MLP region and an attention
+    projection both read): the memory policy sees one value, saved once."""
+    made = graph.placeholder(name)
+    made.meta[REGION_KEY] = path
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        made.meta[UPSTREAM_OUTSIDE_KEY] = True
+    key = _tensor_identity(value)
+    if key is not None:
+        if key in firsts:
+            made.meta[SAME_TENSOR_KEY] = firsts[key].name
+        else:
+            firsts[key] = made
+    return made
+
+
 def _gradients(graph: torch.fx.Graph, prefix: str, received: RegionInputs, values: list) -> torch.fx.Node:
     node = graph.placeholder(f"{prefix}_upstream_gradient")
     values.append(tuple(received.output_grads))
@@ -82,6 +108,8 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
     values: list = []
     outputs: list = []
     objects: dict[str, object] = {}
+    leaf_inputs: dict[tuple, torch.fx.Node] = {}
+    firsts: dict[tuple, torch.fx.Node] = {}
     for region in capture.regions:
         prefix = _safe(region.path)
         if region.kind == "eager":
@@ -92,18 +120,22 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
             continue
         received = inputs[region.path]
         if region.kind == "leaf":
-            args = []
-            for index, value in enumerate(received.args):
-                args.append(graph.placeholder(f"{prefix}_input{index}"))
+            def leaf_input(name: str, value) -> torch.fx.Node:
+                # leaves fed the same tensor (q, k and v projections) share one placeholder
+                key = _tensor_identity(value)
+                if key is not None and key in leaf_inputs:
+                    return leaf_inputs[key]
                 values.append(value)
-            kwargs = {}
-            for key, value in received.kwargs.items():
-                kwargs[key] = graph.placeholder(f"{prefix}_{key}")
-                values.append(value)
-            node = graph.create_node("call_module", region.path, tuple(args), kwargs, name=prefix)
+                made = _input(graph, name, value, region.path, firsts)
+                if key is not None:
+                    leaf_inputs[key] = made
+                return made
+
+            args = tuple(leaf_input(f"{prefix}_input{index}", value) for index, value in enumerate(received.args))
+            kwargs = {key: leaf_input(f"{prefix}_{key}", value) for key, value in received.kwargs.items()}
+            node = graph.create_node("call_module", region.path, args, kwargs, name=prefix)
+            node.meta[REGION_KEY] = region.path
             objects[region.path] = model.get_submodule(region.path)
-            for made in (*args, *kwargs.values(), node):
-                made.meta[REGION_KEY] = region.path
             outputs.append(node)
             outputs.append(_gradients(graph, prefix, received, values))
             continue
@@ -113,8 +145,8 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
         placeholders = iter(bound)
         for node in region_gm.graph.nodes:
             if node.op == "placeholder":
-                new = graph.placeholder(f"{prefix}_{node.name}")
                 values.append(next(placeholders))
+                new = _input(graph, f"{prefix}_{node.name}", values[-1], region.path, firsts)
             elif node.op == "output":
                 outputs.append(torch.fx.node.map_arg(node.args[0], lambda n: env[n]))
                 outputs.append(_gradients(graph, prefix, received, values))
@@ -128,11 +160,12 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
                 new = graph.create_node(node.op, target, torch.fx.node.map_arg(node.args, lambda n: env[n]),
                                         torch.fx.node.map_arg(node.kwargs, lambda n: env[n]),
                                         name=f"{prefix}_{node.name}", type_expr=node.type)
-            new.meta = dict(node.meta)
+            new.meta = {**node.meta, **new.meta}
             new.meta["fxapprox_local_name"] = node.name
             new.meta[REGION_KEY] = region.path
             env[node] = new
     loss = graph.call_function(stitched_loss, tuple(outputs))
+    loss.meta[OUTSIDE_MODEL_KEY] = True
     graph.output(loss)
     stitched = torch.fx.GraphModule(objects, graph, class_name="StitchedRegions")
     return stitched, tuple(values)
@@ -162,6 +195,40 @@ def _keep_buffer_persistence(region_gm: torch.fx.GraphModule, original: nn.Modul
             continue
         if leaf in getattr(original_owner, "_non_persistent_buffers_set", ()):
             region_gm.get_submodule(owner_path)._non_persistent_buffers_set.add(leaf)
+
+
+class SavedInputMarks:
+    """Forward pre-hook of a swapped leaf in eager code: the memory plan's ``compress_saved`` marks on its inputs
+    (there is no graph around it to hold them)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int | str, int, bool]] = []   # (argument index or keyword, bits, sign_exact)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for where, bits, sign_exact in self.marks:
+            value = args[where] if isinstance(where, int) else kwargs.get(where)
+            if value is not None:
+                compress_saved(value, bits, sign_exact)
+
+
+def _mark_leaf_inputs(model: nn.Module, stitched: torch.fx.GraphModule, leaves: set[str]) -> None:
+    """Leaves whose inputs the memory plan compresses mark them on every call, through a forward pre-hook."""
+    for marker in stitched.graph.find_nodes(op="call_function", target=compress_saved):
+        value = marker.args[0]
+        if value.op != "placeholder":
+            continue
+        for user in value.users:
+            if user.op != "call_module" or user.target not in leaves:
+                continue
+            module = model.get_submodule(user.target)
+            hook = getattr(module, "_fxapprox_input_marks", None)
+            if hook is None:
+                hook = module._fxapprox_input_marks = SavedInputMarks()
+                module.register_forward_pre_hook(hook, with_kwargs=True)
+            where = next((i for i, a in enumerate(user.args) if a is value), None)
+            if where is None:
+                where = next(key for key, a in user.kwargs.items() if a is value)
+            hook.marks.append((where, *marker.args[1:]))
 
 
 def install_regions(model: nn.Module, stitched: torch.fx.GraphModule, capture: Capture) -> None:
@@ -215,8 +282,9 @@ def install_regions(model: nn.Module, stitched: torch.fx.GraphModule, capture: C
         graph.output(torch.fx.node.map_arg(output, lambda n: env[n]))
         graph._codegen = original_gm.graph._codegen
         original = model.get_submodule(region.path)
-        region_gm = torch.fx.GraphModule(objects, graph, class_name=type(original).__name__)
+        region_gm = RecordedGraphModule(objects, graph, class_name=type(original).__name__)
         _keep_buffer_persistence(region_gm, original)
         region_gm.training = original.training
         model.set_submodule(region.path, region_gm)
+    _mark_leaf_inputs(model, stitched, {r.path for r in capture.regions if r.kind == "leaf"})
     stitched.recompile()

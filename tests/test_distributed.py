@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import fxapprox
-from fxapprox.distributed import register_sampled_allreduce
+from fxapprox.distributed import plan_fingerprint, register_sampled_allreduce
 
 #: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
 FLOPS = fxapprox.ApproxConfig(policy="flops")
@@ -185,6 +185,22 @@ def _guarded(rank: int) -> dict:
     return {"plan": approx.plan.to_dict(), "history": approx.history.to_dict()}
 
 
+def _default_plans(rank: int) -> dict:
+    """Default (measured) configs under DDP, each rank planning on its own batch and timing its own candidates:
+    the ranks train with one plan (rank 0's), so the sampled AllReduce can be registered."""
+    outcome = {}
+    for name, config in (("default", fxapprox.ApproxConfig()), ("spent", fxapprox.ApproxConfig(min_gain=None))):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        torch.manual_seed(100 + rank)
+        approx = fxapprox.approximate(model, 0.5, example_inputs=(torch.randn(64, 256),), config=config)
+        ddp = DistributedDataParallel(approx)
+        register_sampled_allreduce(ddp)   # raises "the ranks' plans differ" where they do
+        nn.functional.cross_entropy(ddp(torch.randn(64, 256)), torch.randint(0, 10, (64,))).backward()
+        outcome[name] = {"fingerprint": plan_fingerprint(approx), "sampled": len(approx.plan.approximated)}
+    return outcome
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -198,6 +214,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         results["errors"] = _errors(rank)
         results["fsdp"] = _fsdp(rank)
         results["guard"] = _guarded(rank)
+        results["default plans"] = _default_plans(rank)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -262,6 +279,13 @@ def test_guard_replans_the_same_on_every_rank(results):
     assert histories[0] and histories[0][0]["action"] == "replanned"
     assert all(h == histories[0] for h in histories[1:])   # the ranks' mean errors, the same decisions
     assert all(r["guard"]["plan"] == results[0]["guard"]["plan"] for r in results[1:])
+
+
+def test_default_measured_plans_agree_across_ranks(results):
+    for name in ("default", "spent"):
+        plans = [r["default plans"][name] for r in results]
+        assert all(p == plans[0] for p in plans[1:]), name
+    assert results[0]["default plans"]["spent"]["sampled"] > 0
 
 
 def test_clear_errors(results):
