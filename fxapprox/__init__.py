@@ -16,6 +16,7 @@ from fxapprox.calibration import recalibrate_bn
 from fxapprox.config import ApproxConfig, LayerOverride
 from fxapprox.errors import AnalysisError, FxApproxError, PlanNotReadyError, TraceError
 from fxapprox.export import export
+from fxapprox.host_sync import count_host_syncs
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.report import Report
 from fxapprox.saved_activations import SavedActivationStats, count_saved_bytes
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AnalysisError", "ApproxConfig", "ApproxGraphModule", "BenchResult", "FxApproxError", "LayerDecision",
     "LayerFidelity", "LayerOverride", "Plan", "PlanNotReadyError", "Report", "SavedActivationStats",
-    "SparseThenDense", "TraceError", "analyse", "approximate", "bench", "count_saved_bytes", "distributed",
+    "SparseThenDense", "TraceError", "analyse", "approximate", "bench", "count_host_syncs", "count_saved_bytes",
+    "distributed",
     "export", "recalibrate_bn",
 ]

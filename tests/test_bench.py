@@ -132,3 +132,15 @@ def test_bench_on_cuda():
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()
     result = fxapprox.bench(model, torch.randn(64, 256, device="cuda"), budget=0.5, steps=3, warmup=1)
     assert result.exact_step_s > 0 and result.approx_step_s > 0
+
+
+def test_gpu_suite_says_it_needs_a_gpu_and_exits_cleanly_without_one():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the suite would run")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "needs a CUDA device" in done.stdout

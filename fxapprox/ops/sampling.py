@@ -8,9 +8,11 @@ order) and, for the unbiased estimators, a per-kept-pair scale (``None`` when
 no scaling is applied). Selectors are registered by name; ``method=`` on
 :func:`fxapprox.approximate` picks one.
 
-No selector synchronises with the host except through the size of its output
-(``crs``, ``bernoulli`` and ``wta_crs`` keep a data-dependent number of distinct
-pairs; ``wta_crs`` also reads its split point and remaining mass on the host).
+Every selector but ``bernoulli`` keeps exactly ``min(k, n)`` pairs and never reads a
+device value on the host: the sampled op's shapes are fixed by the plan, so a training
+step neither waits on the GPU nor breaks a ``torch.compile`` graph (``crs`` and
+``wta_crs`` draw by systematic PPS sampling, :func:`systematic_sample`). ``bernoulli``
+keeps a random number of pairs by design; ``method="auto"`` never picks it.
 """
 
 from __future__ import annotations
@@ -70,132 +72,125 @@ def crs_probabilities(scores: torch.Tensor) -> torch.Tensor:
     return (1.0 - CRS_UNIFORM_MIX) * proportional + CRS_UNIFORM_MIX / n
 
 
-#: draws are capped at this many times the pairs they choose from (expected distinct pairs ≥ 98% of them)
-_MAX_DRAWS_PER_PAIR = 4
+def inclusion_probabilities(weights: torch.Tensor, k: int, target: torch.Tensor | float | None = None) -> torch.Tensor:
+    """``π_i = min(1, c·w_i)`` with ``c`` chosen so that ``Σ π_i = target`` (default ``k``; a tensor is allowed,
+    at most ``k``), the clamped mass redistributed; pairs with ``w_i = 0`` get 0 (all kept surely when fewer
+    than ``target`` are positive), and every pair ``target / n`` when all are 0. No host synchronisation.
+
+    With the weights sorted descending, if the ``m`` largest are clamped to 1 the rest share ``target − m``:
+    ``c = (target − m) / Σ_{j≥m} w_j``; the right ``m`` is the smallest for which the largest unclamped weight
+    satisfies ``c·w_m ≤ 1`` (or nothing positive is left).
+    """
+    w = weights.float()
+    n = w.numel()
+    if target is None and k >= n:
+        return torch.ones_like(w)
+    goal = torch.as_tensor(k if target is None else target, dtype=w.dtype, device=w.device)
+    bound = min(k, n - 1)   # at most this many can be clamped (Σ π ≤ k)
+    ordered, order = torch.sort(w, descending=True)
+    tail = ordered.flip(0).cumsum(0).flip(0)[: bound + 1]                  # Σ_{j≥m} w_j
+    clamped = torch.arange(bound + 1, device=w.device, dtype=w.dtype)
+    scale = (goal - clamped) / tail.clamp_min(torch.finfo(w.dtype).tiny)
+    fits = (scale * ordered[: bound + 1] <= 1.0 + 1e-6) | (tail <= 0)
+    m = torch.argmax(fits.to(torch.int8)).view(1)                          # the first m that fits (a tensor)
+    c = torch.where(tail.index_select(0, m) > 0, scale.index_select(0, m), 0.0)   # not tail[m]: a host read
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(n, device=w.device)
+    probabilities = torch.where(ranks < m, torch.ones_like(w), torch.clamp(c * w, max=1.0))
+    return torch.where(w.sum() > 0, probabilities, (goal / n).expand(n))
 
 
-def draws_for_distinct(probabilities: torch.Tensor, k: int) -> int:
-    """The number ``m`` of i.i.d. draws from ``probabilities`` whose expected count of distinct pairs,
-    ``Σ 1 − (1 − p_i)^m``, is ``k`` (at least ``k``; capped at 4 draws per pair).
+#: ``bernoulli_probabilities(scores, k)``: Bernoulli-CRS's keep probabilities (the same as PPS sampling's)
+bernoulli_probabilities = inclusion_probabilities
 
-    Drawing only ``k`` times wastes part of the plan on duplicates (at ``k = n/2`` on even scores only 39% of
-    the pairs come out distinct, not 50%): the GEMM would run on fewer pairs than planned with the variance
-    of ``k`` draws. With ``m`` draws the planned FLOPs are spent, in expectation, and the variance falls as
-    ``1/m``.
+
+def systematic_sample(probabilities: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` distinct pairs, pair ``i`` kept with probability ``π_i`` exactly (``Σ π = k``, each ``π_i ≤ 1``),
+    scaled by ``1 / π_i`` (Horvitz–Thompson: unbiased); returned sorted. Static shapes, no host synchronisation.
+
+    Systematic PPS sampling: the pairs, in a random order, lay out intervals of length ``π_i`` end to end; the
+    points ``u, u + 1, …, u + k − 1`` (``u`` uniform in [0, 1)) pick the pairs whose intervals they fall in. An
+    interval no longer than 1 holds at most one point, so the ``k`` pairs are distinct, and it holds one with
+    probability equal to its length. Where fewer than ``k`` pairs can be kept (``Σ π < k``: fewer pairs carry any
+    weight), the slots past the total get scale 0.
     """
     n = probabilities.numel()
-    if k >= n:
-        return _MAX_DRAWS_PER_PAIR * n
-    missing = torch.log1p(-probabilities.double().clamp(max=1 - 1e-12))
-
-    def distinct(m: int) -> float:
-        return float((1.0 - torch.exp(m * missing)).sum())
-
-    low, high = k, _MAX_DRAWS_PER_PAIR * n
-    if distinct(high) <= k:
-        return high
-    while low < high:   # the expected distinct count grows with m: bisect for the smallest m reaching k
-        middle = (low + high) // 2
-        if distinct(middle) >= k:
-            high = middle
-        else:
-            low = middle + 1
-    return low
+    order = torch.randperm(n, device=probabilities.device)
+    ends = torch.cumsum(probabilities[order].double(), 0)
+    points = torch.rand((), device=probabilities.device, dtype=torch.float64) + torch.arange(
+        k, device=probabilities.device, dtype=torch.float64)
+    position = torch.searchsorted(ends, points, right=True).clamp_(max=n - 1)
+    picked = order[position]
+    scale = torch.where(points < ends[-1], 1.0 / probabilities[picked].clamp_min(torch.finfo(torch.float32).tiny),
+                        torch.zeros((), device=probabilities.device))
+    kept, by_index = picked.sort()
+    return kept, scale[by_index].to(torch.float32)
 
 
 @register_method("crs")
 def select_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """CRS: ``m`` i.i.d. draws with ``p_i ∝ w_i`` (uniform-mixed), pair ``i`` scaled by ``c_i / (m p_i)``.
-
-    ``c_i`` is how many times pair ``i`` was drawn, so duplicates are merged into one
-    kept pair (the smaller GEMM never sees the same column twice); ``m`` is chosen so that
-    ``k`` distinct pairs are kept in expectation (:func:`draws_for_distinct`). Unbiased.
+    """CRS: ``k`` distinct pairs by systematic PPS sampling with inclusion probabilities ``π_i = min(1, c·p_i)``,
+    ``p_i ∝ w_i`` mixed with a uniform floor (:func:`crs_probabilities`), ``Σ π = k``; pair ``i`` scaled by
+    ``1 / π_i``. Unbiased; a fixed number of pairs (the sampled GEMM's shapes never depend on the draw), and less
+    variance than ``k`` (or more) i.i.d. draws with replacement: a pair is never drawn twice.
     """
-    probabilities = crs_probabilities(scores.float())
-    draws = draws_for_distinct(probabilities, k)
-    picked = torch.multinomial(probabilities, draws, replacement=True)
-    kept, counts = torch.unique(picked, sorted=True, return_counts=True)
-    return kept, counts.to(torch.float32) / (draws * probabilities[kept])
-
-
-def bernoulli_probabilities(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``p_i = min(1, c·w_i)`` with ``c`` chosen so that ``Σ p_i = k`` (clamped mass redistributed).
-
-    With the weights sorted descending, if the ``m`` largest are clamped to 1 the
-    rest share ``k - m``: ``c = (k - m) / Σ_{j≥m} w_j``; the right ``m`` is the
-    smallest for which the largest unclamped weight satisfies ``c·w_m ≤ 1``.
-    """
-    weights = scores.float()
-    n = weights.numel()
+    n = scores.numel()
     if k >= n:
-        return torch.ones_like(weights)
-    positive = int(torch.count_nonzero(weights))
-    if positive <= k:  # every pair that contributes anything is kept surely
-        return (weights > 0).to(weights.dtype) if positive else torch.full_like(weights, k / n)
-    ordered, order = torch.sort(weights, descending=True)
-    tail = ordered.flip(0).cumsum(0).flip(0)                   # Σ_{j≥m} w_j
-    clamped = torch.arange(k + 1, device=weights.device, dtype=weights.dtype)
-    scale = (k - clamped) / tail[: k + 1]
-    fits = scale * ordered[: k + 1] <= 1.0 + 1e-6
-    m = int(torch.argmax(fits.to(torch.int8)))                 # first m that fits
-    probabilities = torch.clamp(scale[m] * weights, max=1.0)
-    probabilities[order[:m]] = 1.0
-    return probabilities
+        return torch.arange(n, device=scores.device), torch.ones(n, dtype=torch.float32, device=scores.device)
+    return systematic_sample(inclusion_probabilities(crs_probabilities(scores.float()), k), k)
 
 
 @register_method("bernoulli")
 def select_bernoulli(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bernoulli-CRS: keep pair ``i`` independently with ``p_i`` (expected count ``k``), scaled by ``1/p_i``."""
+    """Bernoulli-CRS: keep pair ``i`` independently with ``p_i`` (expected count ``k``), scaled by ``1/p_i``.
+
+    The one method whose number of kept pairs depends on the draw: its sampled op's shapes change every step
+    (a host synchronisation on a GPU, a recompilation or graph break under ``torch.compile``). ``method="auto"``
+    never picks it."""
     probabilities = bernoulli_probabilities(scores, k)
     kept = torch.nonzero(torch.rand_like(probabilities) < probabilities).flatten()
     return kept, 1.0 / probabilities[kept]
 
 
-def wta_crs_split(probabilities: torch.Tensor, k: int) -> int:
+def wta_crs_split(probabilities: torch.Tensor, k: int) -> torch.Tensor:
     """How many of the ``k`` slots WTA-CRS fills deterministically: the ``c`` in ``[0, k)`` minimising
-    ``(1 − Σ_{top c} p) / (k − c)`` (Liu et al.'s variance bound; ``probabilities`` sorted descending)."""
+    ``(1 − Σ_{top c} p) / (k − c)`` (Liu et al.'s variance bound; ``probabilities`` sorted descending); a 0-d
+    tensor (no host synchronisation)."""
     head = torch.cumsum(probabilities[: k - 1], 0) if k > 1 else probabilities.new_zeros(0)
     mass_before = torch.cat([probabilities.new_zeros(1), head])           # Σ_{top c} p for c = 0..k−1
     remaining_slots = torch.arange(k, 0, -1, device=probabilities.device, dtype=probabilities.dtype)
-    return int(torch.argmin((1.0 - mass_before).clamp_min(0) / remaining_slots))
+    return torch.argmin((1.0 - mass_before).clamp_min(0) / remaining_slots)
 
 
 @register_method("wta_crs")
 def select_wta_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Winner-take-all CRS (Liu et al., NeurIPS 2023): the ``c`` most probable pairs kept as they are, the
-    other ``k − c`` slots filled by i.i.d. draws from the remaining distribution, scaled — unbiased, and far
-    less variance than plain CRS when a few pairs carry most of the mass.
+    other ``k − c`` slots filled from the remaining distribution, scaled — unbiased, and far less variance than
+    plain CRS when a few pairs carry most of the mass.
 
-    ``p_i ∝ w_i`` (uniform when every ``w`` is 0); ``c`` minimises Liu et al.'s bound
-    (:func:`wta_crs_split`). A drawn pair ``j`` is scaled by ``count_j · (1 − Σ_C p) / (p_j · m)``; winners
-    by 1. Unlike the paper's ``m = k − c`` draws, ``m`` is chosen so that ``k − c`` distinct pairs are drawn
-    in expectation (:func:`draws_for_distinct`): the plan's FLOPs are spent, not lost to duplicates.
-    ``random_share`` is ignored (the draws reach every pair with ``w_i > 0``; one with ``w_i = 0``
-    contributes nothing).
+    ``p_i ∝ w_i`` (uniform when every ``w`` is 0); ``c`` minimises Liu et al.'s bound (:func:`wta_crs_split`).
+    The winners get inclusion probability 1 (scale 1); the others ``π_i = min(1, c'·p_i)`` with ``Σ = k − c``,
+    and the ``k`` pairs are drawn together by systematic PPS sampling (:func:`systematic_sample`): ``k − c``
+    distinct pairs besides the winners, never a duplicate, where the paper's ``k − c`` i.i.d. draws repeat some.
+    A fixed number of pairs and no host synchronisation. ``random_share`` is ignored (every pair with
+    ``w_i > 0`` can be drawn; one with ``w_i = 0`` contributes nothing).
     """
     n = scores.numel()
     if k >= n:
-        kept = torch.arange(n, device=scores.device)
-        return kept, torch.ones(n, dtype=torch.float32, device=scores.device)
+        return torch.arange(n, device=scores.device), torch.ones(n, dtype=torch.float32, device=scores.device)
     weights = scores.float()
     total = weights.sum()
-    probabilities = weights / total if total > 0 else torch.full_like(weights, 1.0 / n)
+    probabilities = torch.where(total > 0, weights / total.clamp_min(torch.finfo(weights.dtype).tiny),
+                                torch.full_like(weights, 1.0 / n))
     ordered, order = torch.sort(probabilities, descending=True)
     winners = wta_crs_split(ordered, k)
-    rest = order[winners:]
-    rest_probabilities = probabilities[rest]
-    rest_mass = float(rest_probabilities.sum())   # summed from the tail: exact even when it is tiny
-    if rest_mass <= 0.0:
-        kept = order[:winners].sort().values   # the winners carry all the mass: exact
-        return kept, torch.ones(kept.numel(), dtype=torch.float32, device=scores.device)
-    draws = draws_for_distinct(rest_probabilities / rest_mass, k - winners)
-    picked = rest[torch.multinomial(rest_probabilities, draws, replacement=True)]
-    sampled, counts = torch.unique(picked, sorted=False, return_counts=True)
-    sampled_scale = counts.to(torch.float32) * rest_mass / (probabilities[sampled] * draws)
-    kept = torch.cat([order[:winners], sampled])
-    scale = torch.cat([torch.ones(winners, dtype=torch.float32, device=scores.device), sampled_scale])
-    kept, position = kept.sort()
-    return kept, scale[position]
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(n, device=scores.device)
+    won = ranks < winners
+    others = torch.where(won, torch.zeros_like(probabilities), probabilities)
+    rest = inclusion_probabilities(others, k, target=k - winners)
+    rest = torch.where(others.sum() > 0, rest, torch.zeros_like(rest))   # the winners hold all the mass: exact
+    return systematic_sample(torch.where(won, torch.ones_like(rest), rest), k)
 
 
 def select_pairs(method: str, scores: torch.Tensor, k: int,
