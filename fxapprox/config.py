@@ -22,7 +22,7 @@ from fxapprox.ops.sampling import METHODS
 #: how the plan is made: least measured error for the FLOP budget ("measured"), the FLOP-ranked walk at one
 #: common keep-ratio ("flops"), or every eligible layer at keep_ratio ("uniform")
 POLICIES = ("measured", "flops", "uniform")
-#: the candidates ``method="auto"`` measures, per mode (see README "How the plan is made")
+#: the candidates ``method="auto"`` measures, per mode (see docs/planning.md)
 #: forward sampling keeps the papers' top-k (unbiased forward sampling compounds its noise through the layers
 #: above); the backward modes use WTA-CRS: on the char transformer top-k's bias cost 14–25% validation loss where
 #: WTA-CRS cost 3–12% at the same ratios (BENCHMARKS.md, planner calibration)
