@@ -110,7 +110,7 @@ def main() -> None:
             rows.append([label, name, f"{seconds * 1e3:.1f}", f"{base / seconds:.2f}×", ratio])
     title = "DDP, 2 gloo processes on 127.0.0.1 (1 thread each), SGD step"
     print_table(title, headers, rows)
-    write_section("ddp", f"## Sampled-gradient AllReduce for DDP (issue 6)\n\n`python benchmarks/bench_ddp.py` — "
+    write_section("ddp", f"## Sampled-gradient AllReduce for DDP\n\n`python benchmarks/bench_ddp.py` — "
                          f"{machine_line()}\n\n**{title}** (median of {args.repetitions}, interleaved; bytes "
                          "counted by the hook over the timed and warm-up steps)\n\n" + markdown_table(headers, rows))
 

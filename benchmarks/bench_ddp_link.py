@@ -270,7 +270,7 @@ def main() -> None:
          ["model", "communication", "test accuracy", "median step ms", "run s (incl. start-up)"], accuracy_table),
     ]
     report_tables(tables, None if args.quick else "ddp_link",
-                  "## DDP over an emulated cluster link (issue 16)\n\n"
+                  "## DDP over an emulated cluster link\n\n"
                   "Two gloo ranks in a private network namespace whose loopback is limited by `tc … tbf` (both "
                   "directions share the limit). Bytes: the loopback qdisc's counter, both ranks, headers "
                   "included.\n\n`python benchmarks/bench_ddp_link.py` (as root)")

@@ -133,7 +133,7 @@ def main() -> None:
         if args.threads is not None:
             section = f"lstm_threads{args.threads}"
             heading, command = f", {args.threads} thread(s)", f"{command} --threads {args.threads}"
-        write_section(section, f"## Sparse-backward LSTM (issue 5){heading}\n\n`{command}` — "
+        write_section(section, f"## Sparse-backward LSTM{heading}\n\n`{command}` — "
                               f"{machine_line()}\n\n**{title}** (median of {args.repetitions}, interleaved)\n\n"
                       + markdown_table(headers, rows))
 

@@ -160,7 +160,7 @@ def main() -> None:
          ["transformer", "variant", "planned bytes", "step ms", "time vs exact", "plan"], times),
     ]
     report_tables(tables, None if args.quick else "memory_plans",
-                  "## Sampled layers' memory and compression time (issue 15)\n\n"
+                  "## Sampled layers' memory and compression time\n\n"
                   "`python benchmarks/bench_memory_plans.py`")
 
 

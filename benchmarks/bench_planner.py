@@ -1,4 +1,4 @@
-"""The measured planner: what it costs to plan, and whether its estimators learn (issue 13).
+"""The measured planner: what it costs to plan, and whether its estimators learn.
 
 Sections (each printed as a table and written to BENCHMARKS.md):
 

@@ -133,7 +133,7 @@ def main():
     print_table("train step (fwd + bwd + SGD), medians of interleaved repetitions", headers, rows)
     if not args.quick:
         write_section("sampled_ops", "\n\n".join([
-            "## Sampled Linear / Conv2d / ResNet-50 train steps (issue 3)",
+            "## Sampled Linear / Conv2d / ResNet-50 train steps",
             f"`python benchmarks/bench_sampled_ops.py --repetitions {args.repetitions}` on {machine_line()}. "
             "Train step = forward + backward + SGD step; single layers take an input that requires grad "
             "(all three GEMMs run). Medians of interleaved repetitions after warm-up; 'FLOP limit' is "

@@ -269,7 +269,7 @@ def main() -> None:
                    ["model", "bits", "stochastic min", "stochastic median", "nearest min", "nearest median"],
                    fidelity))
     report_tables(tables, None if args.quick else "saved_activations",
-                  "## Compressed saved activations (issue 4)\n\n"
+                  "## Compressed saved activations\n\n"
                   "`python benchmarks/bench_saved_activations.py`")
 
 

@@ -127,7 +127,7 @@ def main() -> None:
     command = "python benchmarks/lstm_limits.py" + (f" --threads {args.threads}" if args.threads else "")
     section, heading = ("lstm_limits", "") if args.threads is None else (
         f"lstm_limits_threads{args.threads}", f", {args.threads} thread(s)")
-    write_section(section, f"## What limits the sparse LSTM backward (issue 5){heading}\n\n`{command}` — "
+    write_section(section, f"## What limits the sparse LSTM backward{heading}\n\n`{command}` — "
                                  f"{machine_line()}\n\n**Per-step products** (median of {reps})\n\n"
                   + markdown_table(gemm_headers, gemm_rows)
                   + "\n\n**Row gather / scatter, per call**\n\n" + markdown_table(memory_headers, memory_rows)

@@ -103,7 +103,7 @@ def main() -> None:
     not_met = [r["name"] for r in results if r.get("budget_met") is False]
     summary = (f"{passed} of {len(results)} models pass ({skipped} skipped, {len(results) - passed - skipped} fail); "
                f"budget 0.5 met by {sum(bool(r.get('budget_met')) for r in results)}; total {total / 60:.1f} min")
-    print_table("torchvision zoo coverage (issue 3)", HEADERS, rows)
+    print_table("torchvision zoo coverage", HEADERS, rows)
     print(summary)
 
     kwargs = ", ".join(f"`{n}`: `{k}`" for n, k in MODEL_KWARGS.items())
@@ -128,7 +128,7 @@ def main() -> None:
         notes.append("Nothing to sample: " + "; ".join(f"{n} ({why})" for n, why in EXPECTED_EXACT.items()) + ".")
     command = " ".join(["python benchmarks/zoo_coverage.py"] + sys.argv[1:])
     markdown = "\n\n".join([
-        "## torchvision zoo coverage (issue 3)",
+        "## torchvision zoo coverage",
         f"`{command}` — {machine_line()}. Input {BATCH}x3x{input_size('resnet18')}x{input_size('resnet18')} "
         "unless the model needs its native size (the \"input\" column).",
         f"**{summary}.**",

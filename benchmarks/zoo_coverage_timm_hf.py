@@ -54,7 +54,7 @@ def main() -> None:
     print_table(f"timm and Hugging Face at budget 0.5 — {summary}", HEADERS, rows)
     if not args.no_write and wanted is None:
         write_section("zoo_timm_hf", "\n\n".join([
-            "## timm and Hugging Face coverage (issue 14)",
+            "## timm and Hugging Face coverage",
             f"`python benchmarks/zoo_coverage_timm_hf.py` on {machine_line()}: random weights, budget 0.5 "
             "(FLOP-ranked policy), batch 2; eval output vs the original's within atol 1e-4; one train step with "
             f"finite gradients. Hugging Face models traced with `transformers.utils.fx.symbolic_trace`. **{summary}.**",
