@@ -19,81 +19,40 @@ one function each:
      budget is met (the greedy solution of the multiple-choice knapsack),
      skipping steps that would take the predicted model-gradient error past
      ``max_grad_error``;
-   * ``"flops"`` (:func:`_flops_choices`): the FLOP-ranked walk at the preferred
+   * ``"flops"`` (:func:`~fxapprox.passes.fixed_ratio_policy.flops_choices`): the FLOP-ranked walk at the preferred
      ``keep_ratio``, then one common ratio lowered to ``min_keep_ratio``;
-   * ``"uniform"`` (:func:`_uniform_choices`): every eligible layer at ``keep_ratio``;
+   * ``"uniform"`` (:func:`~fxapprox.passes.fixed_ratio_policy.uniform_choices`): every eligible layer at
+     ``keep_ratio``;
 
 3. :func:`decisions_for` — one :class:`~fxapprox.plan.LayerDecision` per layer;
 4. :func:`_note` — the totals and, when the budget is not met, why.
 
-**Predicted error.** A layer approximated in isolation changes its output by a
-relative ``e_out``, its input gradient by ``e_in`` and its weight gradient by
-``e_w`` (measured on the example batch; noise already discounted over
-``noise_horizon`` steps, see ``measure_candidates``). The model-gradient error
-is the root-mean-square, over the model's ``N`` parameterised nodes, of each
-one's relative gradient error, and errors of different layers add in squares:
-
-* **backward and weight-gradient sampling** bias or blur the gradient of the
-  exact model: ``e_w`` lands in the layer's own gradient; the input-gradient
-  error ``e_in·‖dX‖`` reaches the parameterised nodes first met upstream, as a
-  relative error of ``e_in·‖dX‖ / ‖dY_a‖`` each (capped at ``e_in``). The
-  candidate adds ``(e_w² + W_in·e_in²) / N`` with
-  ``W_in = Σ_a min(1, (‖dX‖ / ‖dY_a‖)²)`` (in a stitched planning graph a region's
-  input fed by eager code counts as one such node of unknown norm: 1). Further upstream the error is merged
-  into larger gradients (a residual stream) and is not counted: with every
-  upstream node counted in full, the prediction ranked backward sampling far
-  below weight-gradient sampling, which training did not bear out;
-* **forward sampling** trains a smaller network consistently — its input and
-  weight gradients are the exact gradients of the sampled forward — and pays
-  with the gap between that forward and the exact one that evaluation runs,
-  which training narrows (the weights adapt to the sampled forward): it adds
-  ``FORWARD_DISCOUNT · (bias_out² + noise_out²) / N``, the discount ``1/3``. The
-  output's noise is not discounted over steps: an unbiased forward (CRS) is a
-  different function each step, and its noise compounds through the layers above.
-  A layer with no parameterised node downstream (the head: its output is what
-  the loss reads) gets no discount: no layer above can adapt to its mismatch.
-  Discounted, the char-LSTM's head was planned at forward top-k 0.25 (predicted
-  0.224) and trained to +17.8% validation loss.
-
-This is a first-order model measured at the example batch's weights. The two
-constants (``noise_horizon`` 30, the forward discount 1/3) were fitted to eleven
-fixed plans trained on the char transformer (BENCHMARKS.md, "planner"): there
-the predicted errors order 52 of the 55 pairs of plans as their loss increases do. On the
-MLP of ``bench_planner.py`` forward sampling costs more than the model says
-(60 steps leave little time to adapt).
+The predicted error of a candidate is :mod:`fxapprox.passes.error_model`'s; the FLOP-ranked and uniform
+policies are in :mod:`fxapprox.passes.fixed_ratio_policy`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 
-import networkx as nx
 import torch.fx
 
-from fxapprox.config import AUTO_METHODS, ApproxConfig
-from fxapprox.op_kinds import handler_for, kept_count
+from fxapprox.config import ApproxConfig
+from fxapprox.op_kinds import handler_for
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.passes._allocation import least_error_allocation
-from fxapprox.passes._meta import UPSTREAM_OUTSIDE_KEY, fx_meta, train_flops
-from fxapprox.passes.candidates import enumerate_candidates, parameterised, planned_layers
-from fxapprox.passes.graph_view import target_name, to_networkx
+from fxapprox.passes._meta import fx_meta, train_flops
+from fxapprox.passes.candidates import enumerate_candidates, planned_layers
+from fxapprox.passes.graph_view import target_name
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY
+from fxapprox.passes.error_model import one_draw_errors, output_layers, predicted_contribution, propagation_weights
+from fxapprox.passes.fixed_ratio_policy import flops_choices, uniform_choices
 from fxapprox.passes.payoff import GainModel, step_cost
+from fxapprox.passes.policy_types import TOLERANCE as _TOLERANCE, Choice
 
-_TOLERANCE = 1e-9
 #: ``approximate(model, budget="auto")``: the policy chooses the FLOPs (the plan with the highest predicted gain)
 AUTO_BUDGET = "auto"
-
-
-@dataclass
-class Choice:
-    """A policy's decision for one layer: the candidate dict (or ``None``: exact) and why."""
-
-    candidate: dict | None
-    reason: str
-    predicted_error: float | None = None
 
 
 # -- phase 1 -------------------------------------------------------------------------------------------------
@@ -108,100 +67,6 @@ def _saving(node: torch.fx.Node, candidate: dict) -> int:
 
 
 # -- phase 2: measured ---------------------------------------------------------------------------------------
-def _share(part: float | None, whole: float | None) -> float:
-    """``min(1, (part / whole)²)``: how much of a relative error of ``part`` reaches a tensor of norm ``whole``
-    (1 when a norm is unknown: the conservative bound)."""
-    if part is None or whole is None or whole <= 0.0:
-        return 1.0
-    return min(1.0, (part / whole) ** 2)
-
-
-def _nearest_owners(graph: nx.DiGraph, sources: list[str], owners) -> set[str]:
-    """The parameterised nodes first reached going upstream from ``sources`` (a source itself included)."""
-    found, seen, frontier = set(), set(), list(sources)
-    while frontier:
-        name = frontier.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in owners:
-            found.add(name)
-            continue
-        frontier.extend(graph.predecessors(name))
-    return found
-
-
-def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str, float], int]:
-    """``({node: input-gradient weight}, N parameterised nodes)``; see the module docstring.
-
-    The weight sums, over the parameterised nodes first reached upstream of the node's activation
-    inputs, ``min(1, (‖dX_node‖ / ‖dY_owner‖)²)`` (norms from the measurement pass; 1 when unknown).
-    ``nodes``: the nodes to weigh (default: every approximable layer).
-    """
-    graph = to_networkx(gm)
-    owners = {n.name: fx_meta(n).get("norms", {}) for n in gm.graph.nodes if parameterised(gm, n)}
-    # a region's input in a stitched planning graph comes from code outside the graph that has parameters
-    # upstream: it counts as one owner of unknown norm (the conservative share, 1)
-    reached = owners.keys() | {n.name for n in gm.graph.nodes if n.meta.get(UPSTREAM_OUTSIDE_KEY)}
-    weights: dict[str, float] = {}
-    if nodes is None:
-        nodes = [n for n in gm.graph.nodes if handler_for(fx_meta(n)) is not None]
-    for node in nodes:
-        handler = handler_for(fx_meta(node))
-        norms = fx_meta(node).get("norms", {})
-        if handler is not None:
-            weight_positions = set(handler.gradient_operands(gm, node)[0])
-        else:   # any other node: its parameter operands are its weights
-            weight_positions = {i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node)
-                                and a.op == "get_attr" and parameterised(gm, a)}
-        sources = [a.name for i, a in enumerate(node.args)
-                   if isinstance(a, torch.fx.Node) and i not in weight_positions]
-        sources += [a.name for a in node.kwargs.values() if isinstance(a, torch.fx.Node)]
-        weights[node.name] = sum(_share(norms.get("input_grad"), owners[a].get("output_grad")) if a in owners
-                                 else 1.0 for a in _nearest_owners(graph, sources, reached))
-    return weights, max(1, len(owners))
-
-
-#: forward sampling's output mismatch counts a third as much as a gradient's bias of the same size: a network
-#: trained with the sampled forward adapts to it (calibrated on the char transformer, see BENCHMARKS.md)
-FORWARD_DISCOUNT = 1 / 3
-
-
-def output_layers(gm: torch.fx.GraphModule) -> set[str]:
-    """The nodes with no parameterised node downstream (heads): nothing above them adapts to a forward error."""
-    # One reverse walk (users come after their inputs in an fx graph), not a descendants search per node.
-    feeds_owner: set = set()
-    for node in reversed(gm.graph.nodes):
-        if any(user in feeds_owner or parameterised(gm, user) for user in node.users):
-            feeds_owner.add(node)
-    return {n.name for n in gm.graph.nodes if n not in feeds_owner}
-
-
-def predicted_contribution(errors: dict, input_weight: float, owners: int, mode: str = "backward",
-                           bias: dict | None = None, noise: dict | None = None, *, head: bool = False) -> float:
-    """A candidate's share of the squared model-gradient error (see the module docstring).
-
-    In forward mode the output's noise counts whole when ``bias`` and ``noise`` are given: a noisy forward
-    is a different function each step, and its error compounds through the layers above within the step.
-    ``head``: the node has no parameterised node downstream, so its forward mismatch is not discounted.
-    """
-    if mode == "forward":
-        output = errors.get("output", 0.0) ** 2
-        if bias is not None and noise is not None:
-            output = bias.get("output", 0.0) ** 2 + noise.get("output", 0.0) ** 2
-        return (1.0 if head else FORWARD_DISCOUNT) * output / owners
-    return (errors.get("weight_grad", 0.0) ** 2 + input_weight * errors.get("input_grad", 0.0) ** 2) / owners
-
-
-def one_draw_errors(candidate: dict) -> dict:
-    """A measured candidate's errors in one draw, ``sqrt(bias² + noise²)`` per quantity (its ``errors`` average the
-    noise over ``noise_horizon`` steps)."""
-    bias, noise = candidate.get("bias"), candidate.get("noise")
-    if bias is None or noise is None:
-        return dict(candidate.get("errors") or {})
-    return {name: math.hypot(bias.get(name, 0.0), noise.get(name, 0.0)) for name in bias}
-
-
 def _describe(candidate: dict) -> str:
     speed = "" if candidate.get("speedup") is None else f", {candidate['speedup']:.2f}x faster"
     return (f"{candidate['mode']} {candidate['method']} at keep {candidate['keep_ratio']:.2f} "
@@ -416,151 +281,7 @@ def _why_no_candidate(meta: dict, measured: list, config: ApproxConfig) -> str:
 
 
 # -- phase 2: FLOP-ranked walk and uniform recipe -----------------------------------------------------------
-def _single_mode(meta: dict) -> str:
-    """The one mode of the FLOP and uniform policies: the configured one (the candidates pass left only it),
-    else forward sampling where the kind offers it."""
-    modes = meta.get("allowed_modes") or ["forward"]
-    return "forward" if "forward" in modes else modes[0]
-
-
-def _flops_candidate(node: torch.fx.Node, meta: dict, mode: str, method: str, k: int) -> dict:
-    handler = handler_for(meta)
-    n = meta["reduction_size"]
-    return {"method": method, "mode": mode, "keep_ratio": k / n, "k": k, "n": n,
-            "flops": handler.candidate_flops(meta, mode, k / n)}
-
-
-def _fixed_ratio_layers(layers, config: ApproxConfig, method: str, choices: dict) -> tuple[list, dict]:
-    """Layers the FLOP and uniform policies may sample (with mode and method), after blockers and pins."""
-    free, settings = [], {}
-    for node in layers:
-        meta = fx_meta(node)
-        if meta.get("blocker"):
-            choices[node] = Choice(None, meta["blocker"])
-            continue
-        mode = _single_mode(meta)
-        # One method per layer: "auto" is the mode's first auto method (top-k forward, WTA-CRS backward).
-        chosen_method = meta["requested_method"]
-        if chosen_method == "auto":
-            chosen_method = AUTO_METHODS[mode][0]
-        offered = handler_for(meta).methods
-        if offered is not None and chosen_method not in offered:
-            chosen_method = offered[0]
-        settings[node] = (mode, chosen_method)
-        handler = handler_for(meta)
-        blocker = handler.mode_blocker(meta, mode, meta.get("pinned_ratio") or config.keep_ratio, 1,
-                                       config.min_channels)
-        if blocker is not None:
-            choices[node] = Choice(None, blocker)
-            continue
-        if meta.get("pinned_ratio") is not None:
-            n = meta["reduction_size"]
-            k = kept_count(meta["pinned_ratio"], n)
-            if k < n:
-                choices[node] = Choice(_flops_candidate(node, meta, mode, chosen_method, k),
-                                        f"keep-ratio pinned by override {meta['pinned_by']}")
-            else:
-                choices[node] = Choice(None, f"keep-ratio 1.0 pinned by override {meta['pinned_by']}")
-            continue
-        free.append(node)
-    return free, settings
-
-
-def _uniform_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
-    choices: dict = {}
-    free, settings = _fixed_ratio_layers(layers, config, summary["method"], choices)
-    for node in free:
-        meta = fx_meta(node)
-        n = meta["reduction_size"]
-        k = kept_count(config.keep_ratio, n)
-        mode, method = settings[node]
-        blocker = handler_for(meta).mode_blocker(meta, mode, k / n, config.min_k, config.min_channels)
-        if budget >= 1.0:
-            choices[node] = Choice(None, "budget 1.0: exact training requested")
-        elif k >= n:
-            choices[node] = Choice(None, f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs")
-        elif blocker is not None:
-            choices[node] = Choice(None, blocker)
-        else:
-            choices[node] = Choice(_flops_candidate(node, meta, mode, method, k),
-                                    f"uniform recipe: keep-ratio {config.keep_ratio:g} for >= {config.min_channels} "
-                                    "channels")
-    return choices
-
-
-def _flops_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
-    choices: dict = {}
-    free, settings = _fixed_ratio_layers(layers, config, summary["method"], choices)
-    free.sort(key=lambda n: fx_meta(n).get("rank", math.inf))
-    chosen_k = {n: c.candidate["k"] for n, c in choices.items() if c.candidate is not None}
-
-    def candidate(node, k):
-        mode, method = settings.get(node) or (choices[node].candidate["mode"], choices[node].candidate["method"])
-        return _flops_candidate(node, fx_meta(node), mode, method, k)
-
-    def saving(node, k) -> float:
-        return train_flops(node) - candidate(node, k)["flops"]
-
-    needed = total - target
-    saved = sum(saving(n, k) for n, k in chosen_k.items())
-    walked: list = []
-    if budget >= 1.0:
-        for node in free:
-            choices[node] = Choice(None, "budget 1.0: exact training requested")
-        return choices
-    for node in free:
-        meta = fx_meta(node)
-        n = meta["reduction_size"]
-        k = kept_count(config.keep_ratio, n)
-        if saved >= needed - _TOLERANCE:
-            choices[node] = Choice(None, "not needed: higher-ranked layers already meet the budget")
-            continue
-        blocker = handler_for(meta).mode_blocker(meta, settings[node][0], k / n, config.min_k, config.min_channels)
-        if k >= n:
-            choices[node] = Choice(None, f"keep-ratio {config.keep_ratio:g} keeps all {n} pairs")
-            continue
-        if blocker is not None:
-            choices[node] = Choice(None, blocker)
-            continue
-        walked.append(node)
-        chosen_k[node] = k
-        saved += saving(node, k)
-        choices[node] = Choice(None, f"rank {meta['rank']}: sampled at the preferred keep-ratio")
-    if walked and saved > needed + _TOLERANCE:
-        last = walked[-1]
-        n = fx_meta(last)["reduction_size"]
-        before = saved - saving(last, chosen_k[last])
-        k = chosen_k[last]
-        while k + 1 < n and before + saving(last, k + 1) >= needed - _TOLERANCE:
-            k += 1
-        chosen_k[last] = k
-        saved = before + saving(last, k)
-        choices[last] = Choice(None, f"rank {fx_meta(last)['rank']}: keep-ratio raised to {k / n:.3f} so no more is "
-                                      "cut than the budget needs")
-    elif walked and saved < needed - _TOLERANCE:
-        # Phase 4 of the walk: one common ratio for every walked layer, lowered step by step.
-        ratio = config.keep_ratio
-        fixed = saved - sum(saving(n, chosen_k[n]) for n in walked)
-        while True:
-            for node in walked:
-                n = fx_meta(node)["reduction_size"]
-                k = max(kept_count(ratio, n), math.ceil(config.min_keep_ratio * n - _TOLERANCE), config.min_k)
-                chosen_k[node] = min(k, n)
-            saved = fixed + sum(saving(n, chosen_k[n]) for n in walked)
-            if saved >= needed - _TOLERANCE or ratio <= config.min_keep_ratio:
-                break
-            ratio = max(config.min_keep_ratio, ratio - 0.005)
-        for node in walked:
-            choices[node] = Choice(None, f"rank {fx_meta(node)['rank']}: common keep-ratio lowered to {ratio:.3f} to "
-                                          "meet the budget")
-    for node in walked:
-        n = fx_meta(node)["reduction_size"]
-        if chosen_k[node] < n:
-            choices[node].candidate = candidate(node, chosen_k[node])
-    return choices
-
-
-_POLICIES = {"measured": _measured_choices, "flops": _flops_choices, "uniform": _uniform_choices}
+_POLICIES = {"measured": _measured_choices, "flops": flops_choices, "uniform": uniform_choices}
 
 
 # -- phase 3 -------------------------------------------------------------------------------------------------

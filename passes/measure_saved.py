@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 from fxapprox.config import ApproxConfig
 from fxapprox.ops.quantize import FLOAT_DTYPES, quantize
 from fxapprox.passes._meta import fx_meta
-from fxapprox.passes.budget_policy import predicted_contribution, propagation_weights
+from fxapprox.passes.error_model import predicted_contribution, propagation_weights
 from fxapprox.passes.candidates import parameterised
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
 from fxapprox.saved_activations import rebuild_view, storage_ptr

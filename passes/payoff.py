@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxapprox.passes.error_model import one_draw_errors
+
 __all__ = ["GainModel", "step_cost"]
 
 
@@ -37,8 +39,6 @@ def step_cost(candidate: dict, backward_error_cost: float, forward_error_cost: f
     its share of that family's squared error (``step_contribution`` for the backward family, the layer's own
     one-draw output error squared for the forward one)."""
     if candidate["mode"] == "forward":
-        from fxapprox.passes.budget_policy import one_draw_errors
-
         return forward_error_cost * one_draw_errors(candidate).get("output", 0.0) ** 2
     return backward_error_cost * candidate.get("step_contribution", 0.0)
 

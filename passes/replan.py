@@ -35,8 +35,9 @@ from fxapprox.config import ApproxConfig
 from fxapprox.plan import Plan
 from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta, train_flops
-from fxapprox.passes.budget_policy import (Choice, _cost, _describe, _time_saved, assemble_plan, decisions_for,
-                                           gain_model, one_draw_errors)
+from fxapprox.passes.budget_policy import _cost, _describe, _time_saved, assemble_plan, decisions_for, gain_model
+from fxapprox.passes.error_model import one_draw_errors
+from fxapprox.passes.policy_types import Choice
 from fxapprox.passes.candidates import planned_layers
 
 __all__ = ["Calibration", "calibration", "predicted_families", "replan"]

@@ -16,7 +16,7 @@ from torch import nn
 
 import fxapprox
 from fxapprox.passes._meta import UPSTREAM_OUTSIDE_KEY
-from fxapprox.passes.budget_policy import propagation_weights
+from fxapprox.passes.error_model import propagation_weights
 from fxapprox.saved_activations import count_saved_bytes
 
 

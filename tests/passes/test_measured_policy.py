@@ -124,7 +124,7 @@ def test_narrow_outputs_block_input_gradient_sampling():
 
 
 def test_head_forward_error_is_not_discounted():
-    from fxapprox.passes.budget_policy import FORWARD_DISCOUNT, output_layers
+    from fxapprox.passes.error_model import FORWARD_DISCOUNT, output_layers
     torch.manual_seed(0)
     x = torch.randn(64, 64)
     approx = fxapprox.approximate(MLP(), 0.6, example_inputs=(x,), config=ApproxConfig(**MEASURED))
