@@ -19,7 +19,8 @@ from fxapprox.export import export
 from fxapprox.host_sync import count_host_syncs
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.report import Report
-from fxapprox.saved_activations import SavedActivationStats, count_saved_bytes
+from fxapprox.saved_activations import SavedActivationStats
+from fxapprox.saved_tensors import count_saved_bytes
 from fxapprox.schedule import SparseThenDense
 
 __version__ = "0.1.0"

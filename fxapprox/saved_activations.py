@@ -38,80 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from fxapprox.ops._derived import local as _local
 from fxapprox.ops._derived import note_derived, record_derivations
 from fxapprox.ops.quantize import FLOAT_DTYPES, QuantizedTensor, pack_mask, quantize
-
-#: Functions whose output the memory plan may rebuild in backward from its input's saved copy instead of storing it
-#: (``recipe`` names in ``recompute_saved`` nodes): elementwise activations and normalisations, cheap next to the
-#: matmuls around them and deterministic. The same ops as modules: :data:`RECOMPUTABLE_MODULES`.
-RECOMPUTABLE_FUNCTIONS = {
-    "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu, "mish": torch.nn.functional.mish,
-    "hardswish": torch.nn.functional.hardswish, "elu": torch.nn.functional.elu,
-    "softplus": torch.nn.functional.softplus, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-    "layer_norm": torch.nn.functional.layer_norm, "group_norm": torch.nn.functional.group_norm,
-    # not cheap: rebuilt only with ApproxConfig(activation_recompute="linear")
-    "linear": torch.nn.functional.linear,
-}
-if hasattr(torch.nn.functional, "rms_norm"):  # torch >= 2.4
-    RECOMPUTABLE_FUNCTIONS["rms_norm"] = torch.nn.functional.rms_norm
-#: methods (``x.tanh()``) rebuilt the same way
-RECOMPUTABLE_METHODS = ("tanh", "sigmoid")
-#: module types rebuilt the same way (not when built ``inplace=True``)
-RECOMPUTABLE_MODULES = tuple(getattr(torch.nn, name) for name in (
-    "GELU", "SiLU", "Mish", "Hardswish", "ELU", "Softplus", "Tanh", "Sigmoid", "LayerNorm", "GroupNorm", "RMSNorm")
-    if hasattr(torch.nn, name))
-
-
-def storage_ptr(tensor: torch.Tensor) -> int | None:
-    """Address of ``tensor``'s storage (``None`` for mkldnn/sparse tensors, which have no plain storage)."""
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` covers a gap-free, non-overlapping run of its storage (any order of dimensions:
-    contiguous, channels-last, a transpose of a contiguous tensor)."""
-    span = 1
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        if size > 1:
-            if stride <= 0:
-                return False
-            span += (size - 1) * stride
-    if span != tensor.numel():
-        return False
-    # A gap-free span of numel elements with no overlap: the strides, sorted, must be the running products.
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s > 1),
-                               key=lambda pair: pair[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _layout(tensor: torch.Tensor):
-    # Dense views of one run of memory (attention's output and the merged-heads view a projection saves) are
-    # one tensor to the plan: they share a key, and so one copy, kept in memory order.
-    if is_dense(tensor):
-        return "dense"
-    return (tuple(tensor.shape), tensor.stride())
-
-
-def tensor_key(tensor: torch.Tensor, ptr: int) -> tuple:
-    """What names one saved tensor: storage, offset, size, dtype, version and memory layout.
-
-    Dense views of the same run of storage (any permutation of dimensions) share a key, so they share
-    one copy.
-    """
-    return (ptr, tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version, _layout(tensor))
-
-
-def _memory_order(tensor: torch.Tensor) -> torch.Tensor:
-    """The 1-D run of storage a dense tensor covers (a view), or its elements in logical order (a copy)."""
-    if is_dense(tensor):
-        return tensor.as_strided((tensor.numel(),), (1,))
-    return tensor.reshape(-1)
-
+from fxapprox.recompute import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES, RecomputedCopy
+from fxapprox.saved_tensors import count_saved_bytes, is_dense, memory_order, state_storages, storage_ptr, tensor_key
 
 @dataclass(frozen=True)
 class SavedActivationStats:
@@ -153,56 +81,6 @@ class _Handle:
         if isinstance(self.copy, QuantizedTensor) and self.stride is not None:
             return rebuilt.as_strided(self.shape, self.stride)
         return rebuilt.view(self.shape)
-
-
-def rebuild_view(full: torch.Tensor, base: tuple, view: tuple) -> torch.Tensor:
-    """The view ``view`` (size, stride, offset) of a tensor laid out like ``base``, cut from ``full``'s values."""
-    size, stride, offset = base
-    if tuple(full.stride()) != tuple(stride) or full.shape != size:
-        laid_out = torch.empty_strided(size, stride, dtype=full.dtype, device=full.device)
-        laid_out.copy_(full)
-        full = laid_out
-    view_size, view_stride, view_offset = view
-    return full.as_strided(view_size, view_stride, full.storage_offset() + view_offset - offset)
-
-
-class RecomputedCopy:
-    """A saved tensor that keeps nothing of its own: backward re-runs ``recipe`` on the source's saved copy.
-
-    ``source`` is the source value's :class:`QuantizedTensor` (or the tensor itself, when it is kept exact:
-    autograd holds it anyway), ``source_shape`` its ``(shape, stride)`` (stride ``None``: a copy in logical
-    order); ``args``/``kwargs`` are the op's other arguments with ``None`` where the source
-    goes (``slot``).
-    """
-
-    __slots__ = ("source", "source_shape", "recipe", "args", "kwargs", "slot", "base", "view", "dtype", "autocast")
-    nbytes = 0
-
-    def __init__(self, source, source_shape, recipe, args, kwargs, slot, base: tuple, view: tuple, dtype,
-                 autocast: tuple) -> None:
-        self.source, self.source_shape, self.recipe = source, source_shape, recipe
-        self.args, self.kwargs, self.slot = args, kwargs, slot
-        self.base, self.view, self.dtype = base, view, dtype
-        # (device type, autocast dtype or None): backward re-runs the op under the autocast of its forward
-        self.autocast = autocast
-
-    def dequantize(self) -> torch.Tensor:
-        source = self.source
-        if isinstance(source, QuantizedTensor):
-            shape, stride = self.source_shape
-            rebuilt = source.dequantize()
-            source = rebuilt.as_strided(shape, stride) if stride is not None else rebuilt.view(shape)
-        elif isinstance(source, RecomputedCopy):   # a chain: the source is rebuilt first, in its own view
-            source = source.dequantize()
-        args, kwargs = list(self.args), dict(self.kwargs)
-        if isinstance(self.slot, int):
-            args[self.slot] = source
-        else:
-            kwargs[self.slot] = source
-        device, autocast_dtype = self.autocast
-        with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            full = self.recipe(*args, **kwargs)
-        return rebuild_view(full.to(self.dtype), self.base, self.view)
 
 
 def _geometry(tensor: torch.Tensor) -> tuple:
@@ -363,7 +241,7 @@ class SavedTensorCompressor:
         if cached is not None and not cached[0].expired():
             copy = cached[1]
         else:
-            flat = _memory_order(tensor)
+            flat = memory_order(tensor)
             if bits == 1:
                 copy = pack_mask(flat)
             else:
@@ -477,13 +355,6 @@ torch.fx.node.has_side_effect(compress_saved)
 torch.fx.node.has_side_effect(recompute_saved)
 
 
-def state_storages(module: torch.nn.Module) -> set[int]:
-    """Storage pointers of a module's parameters and buffers (kept as they are, not counted)."""
-    pointers = {storage_ptr(t) for t in list(module.parameters()) + list(module.buffers())}
-    pointers.discard(None)
-    return pointers
-
-
 @contextlib.contextmanager
 def compressing_saved_tensors(options: SavingOptions, module: torch.nn.Module):
     """Run the block with tagged saved tensors compressed; yields the :class:`SavedTensorCompressor`."""
@@ -506,47 +377,6 @@ def compressing_saved_tensors(options: SavingOptions, module: torch.nn.Module):
     finally:
         _local.compressor = None
         compressor.close()
-
-
-class count_saved_bytes:  # noqa: N801 — used like a function: ``with count_saved_bytes(model) as c``
-    """Count the distinct bytes autograd saves for backward inside the block (parameters left out).
-
-    Example::
-
-        >>> with fxapprox.count_saved_bytes(model) as counter:
-        ...     loss = model(x).sum()
-        >>> counter.bytes
-    """
-
-    def __init__(self, module: torch.nn.Module | None = None) -> None:
-        self._state = state_storages(module) if module is not None else set()
-        self._seen: dict[tuple, int] = {}
-        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, tensor: torch.Tensor):
-        ptr = storage_ptr(tensor)
-        if ptr is not None and ptr not in self._state:
-            self._seen[tensor_key(tensor, ptr)] = tensor.numel() * tensor.element_size()
-        return tensor
-
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    @property
-    def bytes(self) -> int:
-        return sum(self._seen.values())
-
-    @property
-    def tensors(self) -> int:
-        return len(self._seen)
-
-    def __enter__(self) -> "count_saved_bytes":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 __all__ = ["RECOMPUTABLE_FUNCTIONS", "RECOMPUTABLE_METHODS", "RECOMPUTABLE_MODULES", "RecomputedCopy",

@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from fxapprox.passes.regions import Capture
-from fxapprox.saved_activations import state_storages, storage_ptr, tensor_key
+from fxapprox.saved_tensors import state_storages, storage_ptr, tensor_key
 
 __all__ = ["count_eager_saved_bytes"]
 

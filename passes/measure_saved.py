@@ -36,7 +36,8 @@ from fxapprox.passes._meta import fx_meta
 from fxapprox.passes.error_model import predicted_contribution, propagation_weights
 from fxapprox.passes.candidates import parameterised
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
-from fxapprox.saved_activations import rebuild_view, storage_ptr
+from fxapprox.recompute import rebuild_view
+from fxapprox.saved_tensors import storage_ptr
 
 __all__ = ["MEASURED_BITS", "SAVED_BITS", "measure_saved_values", "step_ratio"]
 

@@ -53,7 +53,7 @@ from fxapprox.ops.quantize import quantized_nbytes
 from fxapprox.plan import MemoryPlan, SavedValueDecision
 from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import SAME_TENSOR_KEY, fx_meta
-from fxapprox.saved_activations import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES
+from fxapprox.recompute import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES
 
 _STEPS = (8, 4, 2)
 #: ``node.meta["fxapprox"]`` key of an eager-code node: the bytes its code saves (kept exact)

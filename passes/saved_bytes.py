@@ -29,8 +29,7 @@ from torch.utils._pytree import tree_flatten
 from fxapprox.ops._derived import record_derivations
 from fxapprox.passes._isolation import NodeIsolationInterpreter
 from fxapprox.passes._meta import fx_meta
-from fxapprox.saved_activations import state_storages
-from fxapprox.saved_activations import storage_ptr
+from fxapprox.saved_tensors import state_storages, storage_ptr
 
 
 class SavedBytesInterpreter(NodeIsolationInterpreter):
