@@ -8,6 +8,7 @@ from torch import nn
 
 import fxapprox
 from fxapprox.modules import ApproxLSTM, SamplingSpec
+from fxapprox.ops import _cpu_gemm as cpu_gemm
 from fxapprox.ops import lstm as lstm_ops
 from fxapprox.ops.lstm import coarse_columns, fine_mask_, keep_count, sparse_backward_lstm_layer
 
@@ -90,9 +91,9 @@ def test_sparse_gradients_over_many_steps_equal_autograd_with_masked_gate_gradie
     ``block_steps`` L, the columns are chosen by the first step of each block of L steps in backward order
     (7 steps in blocks of 3: a partial block last; 20: one block for the whole sequence). Both product
     libraries and both tanh forms run, whichever this CPU would pick."""
-    products = {"onednn": lstm_ops._OneDNNProducts, "blas": lstm_ops._BlasProducts}[library]
-    monkeypatch.setattr(lstm_ops, "_backward_products", lambda tensor: products)
-    monkeypatch.setattr(lstm_ops, "_tanh_is_fast", lambda: library == "blas")
+    products = {"onednn": cpu_gemm._OneDNNProducts, "blas": cpu_gemm._BlasProducts}[library]
+    monkeypatch.setattr(lstm_ops, "backward_products", lambda tensor: products)
+    monkeypatch.setattr(lstm_ops, "tanh_is_fast", lambda: library == "blas")
     torch.manual_seed(2)
     steps, batch, inputs, hidden, k = 7, 16, 24, 64, 16
     lstm = nn.LSTM(inputs, hidden).to(dtype)

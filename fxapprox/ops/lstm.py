@@ -15,7 +15,7 @@ The forward is exact and computes the same values as ``nn.LSTM`` (to float
 rounding): the input projection of all steps is one GEMM, each step adds
 ``h_{t−1}·W_hhᵀ`` (one oneDNN call with its ``add`` post-op) and applies the gates. ``tanh`` is
 ``torch.tanh`` or ``2σ(2x) − 1``, whichever a one-off timing finds faster on this CPU
-(:func:`_tanh_is_fast`).
+(:func:`~fxapprox.ops._cpu_gemm.tanh_is_fast`).
 
 The backward runs in blocks of time steps that share one choice of kept columns
 (:class:`LSTMBackward`, ``block_steps``). Its products go through BLAS (``torch.mm``) on Intel CPUs
@@ -27,7 +27,6 @@ half oneDNN's speed; on an Intel Xeon, MKL was the faster one.
 from __future__ import annotations
 
 import functools
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ import torch
 
 from fxapprox._validate import check_choice, check_int
 from fxapprox.ops._autocast import cast_like_autocast
+from fxapprox.ops._cpu_gemm import (backward_products, linear, linear_add, prepacked, tanh_, tanh_is_fast)
 
 GRANULARITIES = ("coarse", "fine")
 
@@ -68,86 +68,6 @@ class LSTMBackward:
         check_int("block_steps", self.block_steps, minimum=1)
 
 
-_ONEDNN_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x · weightᵀ + bias`` through oneDNN on CPU when torch has it (as ``nn.LSTM``'s own kernel does:
-    measured 1.3–1.4× faster than ``addmm`` for the LSTM's shapes here), else ``F.linear``."""
-    if (_ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and not torch.is_grad_enabled()):
-        try:
-            return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-        except RuntimeError:
-            pass  # a build without oneDNN: the same product through addmm
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-_ONEDNN_REORDER = getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None)
-
-
-def _prepacked(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """``weight`` reordered once into oneDNN's blocked layout for :func:`_linear` products of ``rows`` rows,
-    where the same weight serves many time steps: measured 670 → 606 µs for the forward's (64 × 512)·(512 ×
-    2048) step product and 380 → 311 µs for the backward's, for a one-off 0.3–0.8 ms reorder. ``weight``
-    unchanged where oneDNN is not used (another device or dtype, grad mode on, or a build without it)."""
-    if (_ONEDNN_LINEAR is not None and _ONEDNN_REORDER is not None and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and not torch.is_grad_enabled()):
-        try:
-            return _ONEDNN_REORDER(weight.contiguous(), rows)
-        except RuntimeError:
-            pass  # a build without oneDNN: the plain weight
-    return weight
-
-
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` through the same oneDNN path as :func:`_linear`: on this project's AMD CPUs ``torch.mm``
-    (MKL) ran the backward's products at 70–90 GFLOP/s on one thread, oneDNN at 150–175."""
-    return _linear(a, b.t(), None)
-
-
-def _weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """``grad_outᵀ · inputs``, computed as ``(inputsᵀ · grad_out)ᵀ``: with oneDNN on two threads that
-    operand order measured 1.3× faster for the LSTM's (4H × T·B)·(T·B × I) product (the same on one thread)."""
-    return _matmul(inputs.t(), grad_out).t().contiguous()
-
-
-def _tanh_(x: torch.Tensor) -> torch.Tensor:
-    return x.mul_(2).sigmoid_().mul_(2).sub_(1)
-
-
-@functools.lru_cache(maxsize=None)
-def _tanh_is_fast() -> bool:
-    """Whether ``torch.tanh`` is at least as fast as ``2σ(2x) − 1`` on this CPU, timed once on a step-sized
-    tensor. On the AMD EPYC machines this project was first measured on, ``torch.tanh`` was ~5× slower than
-    ``torch.sigmoid``; on an Intel Xeon it is 5× faster than the four-op sigmoid form (7.8 against 39 µs for
-    64 × 512). The two differ by float rounding only."""
-    sample, out = torch.linspace(-4, 4, 64 * 512).view(64, 512), torch.empty(64, 512)   # no draw from the RNG
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    with torch.no_grad():
-        best(lambda: torch.tanh(sample, out=out))   # warm-up
-        return best(lambda: torch.tanh(sample, out=out)) <= best(lambda: _tanh_(torch.mul(sample, 1, out=out)))
-
-
-def _linear_add(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """``x · weightᵀ + other`` in one oneDNN call (its ``add`` post-op) where :func:`_linear` uses oneDNN."""
-    if (_ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and not torch.is_grad_enabled()):
-        try:
-            return _ONEDNN_LINEAR.binary(x, other, weight, None, "add")
-        except RuntimeError:
-            pass  # a build without oneDNN
-    return torch.addmm(other, x, weight.t())
-
-
 def keep_count(keep_ratio: float, hidden: int) -> int:
     """Gate-gradient columns kept per gate at ``keep_ratio``."""
     return max(1, min(hidden, round(keep_ratio * hidden)))
@@ -179,13 +99,13 @@ def _lstm_forward(x, h0, c0, w_ih, w_hh, bias, reverse):
     """
     steps, batch, _ = x.shape
     hidden = w_hh.shape[1]
-    gates = _linear(x.reshape(steps * batch, -1), w_ih, bias).view(steps, batch, 4 * hidden)
+    gates = linear(x.reshape(steps * batch, -1), w_ih, bias).view(steps, batch, 4 * hidden)
     hs = x.new_empty(steps, batch, hidden)
     cs = x.new_empty(steps, batch, hidden)
     tanh_cs = x.new_empty(steps, batch, hidden)   # kept for backward instead of recomputed there
     h, c = h0, c0
-    w_hh_step = _prepacked(w_hh, batch)
-    fast_tanh = _tanh_is_fast()
+    w_hh_step = prepacked(w_hh, batch)
+    fast_tanh = tanh_is_fast()
     # Every step's views made up front (one unbind each): per-step slicing was ~11 view ops, ~27 µs a step.
     z_steps, c_steps, tanh_c_steps, h_steps = gates.unbind(0), cs.unbind(0), tanh_cs.unbind(0), hs.unbind(0)
     i_steps, f_steps, g_steps, o_steps = (gates[..., j * hidden:(j + 1) * hidden].unbind(0) for j in range(4))
@@ -193,17 +113,17 @@ def _lstm_forward(x, h0, c0, w_ih, w_hh, bias, reverse):
     for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
         z = z_steps[t]
         if fast_tanh:
-            pre = _linear_add(h, w_hh_step, z)
+            pre = linear_add(h, w_hh_step, z)
             torch.sigmoid(pre[:, :2 * hidden], out=if_steps[t])
             torch.tanh(pre[:, 2 * hidden:3 * hidden], out=g_steps[t])
             torch.sigmoid(pre[:, 3 * hidden:], out=o_steps[t])
         else:
-            z.add_(_linear(h, w_hh_step, None))
+            z.add_(linear(h, w_hh_step, None))
             g_steps[t].mul_(2)
             z.sigmoid_()
             g_steps[t].mul_(2).sub_(1)     # g = tanh(pre) = 2σ(2·pre) − 1
         c = torch.mul(f_steps[t], c, out=c_steps[t]).addcmul_(i_steps[t], g_steps[t])
-        tanh_c = torch.tanh(c, out=tanh_c_steps[t]) if fast_tanh else _tanh_(torch.mul(c, 1, out=tanh_c_steps[t]))
+        tanh_c = torch.tanh(c, out=tanh_c_steps[t]) if fast_tanh else tanh_(torch.mul(c, 1, out=tanh_c_steps[t]))
         h = torch.mul(o_steps[t], tanh_c, out=h_steps[t])
     return hs, h.clone(), c.clone(), gates, cs, tanh_cs
 
@@ -277,80 +197,6 @@ def _gate_factors(gates, cs, c0, tanh_cs, reverse):
     return factors, dc_from_dh
 
 
-_CONTIGUOUS_WEIGHT_ROWS = 1024
-#: a block's step product uses a prepacked weight from this many steps on (the reorder costs ~11 steps' gain)
-_PREPACK_STEPS = 16
-
-
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-class _OneDNNProducts:
-    """The backward's products through oneDNN (:func:`_linear`), with its weights prepacked where a block's
-    steps reuse them. MKL runs these products at about half oneDNN's speed on AMD CPUs (76–86 against 159–174
-    GFLOP/s on one thread, ``benchmarks/lstm_limits.py``): MKL picks its fast kernels on Intel CPUs only."""
-
-    @staticmethod
-    def step_weight(w_hh_rows: torch.Tensor, batch: int, steps: int) -> torch.Tensor:
-        weight = w_hh_rows.t()
-        return _prepacked(weight, batch) if steps >= _PREPACK_STEPS else weight
-
-    @staticmethod
-    def step(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _linear(dz, weight, None)
-
-    @staticmethod
-    def input_grad(flat_dz: torch.Tensor, w_ih_rows: torch.Tensor) -> torch.Tensor:
-        if flat_dz.shape[0] >= _CONTIGUOUS_WEIGHT_ROWS:
-            # (I × 4k) contiguous: measured 1.35× faster than the transposed view for 3200 rows; the
-            # transpose (~0.5 ms) pays back only on large blocks
-            return _linear(flat_dz, w_ih_rows.t().contiguous(), None)
-        return _matmul(flat_dz, w_ih_rows)
-
-    weight_grad = staticmethod(_weight_grad)
-
-
-class _BlasProducts:
-    """The backward's products through ``torch.mm`` (MKL on x86): on an Intel Xeon here, 138 against oneDNN's
-    172 µs for a (64 × 512)·(512 × 512) step product, and 5.4 against 7.2 ms for a weight gradient over 3200
-    rows (the BLAS call takes the transposed operand as it is; oneDNN needs it copied)."""
-
-    @staticmethod
-    def step_weight(w_hh_rows: torch.Tensor, batch: int, steps: int) -> torch.Tensor:
-        return w_hh_rows
-
-    @staticmethod
-    def step(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.mm(dz, weight)
-
-    @staticmethod
-    def input_grad(flat_dz: torch.Tensor, w_ih_rows: torch.Tensor) -> torch.Tensor:
-        return torch.mm(flat_dz, w_ih_rows)
-
-    @staticmethod
-    def weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        return torch.mm(grad_out.t(), inputs)
-
-
-def _backward_products(tensor: torch.Tensor):
-    """Which library runs the backward's products for ``tensor``'s device and dtype."""
-    if (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and _ONEDNN_LINEAR is not None
-            and _CPU_VENDOR != "GenuineIntel"):
-        return _OneDNNProducts
-    return _BlasProducts
-
-
-_CPU_VENDOR = _cpu_vendor()
-
-
 def _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gates, hs, cs, tanh_cs, keep_ratio,
                    granularity, reverse, block_steps):
     """Gradients of :func:`_lstm_forward`'s outputs ``hs``, ``h_last``, ``c_last`` (any may be ``None``) with
@@ -364,7 +210,7 @@ def _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gat
     hidden = w_hh.shape[1]
     k = keep_count(keep_ratio, hidden)
     sparse = granularity == "coarse" and k < hidden
-    products = _backward_products(x)
+    products = backward_products(x)
     # Sums over every step: in fp32 when autocast made the layer bf16/fp16 (a T-term bf16 sum loses digits).
     accumulate = torch.float32 if w_ih.dtype in (torch.float16, torch.bfloat16) else w_ih.dtype
     dh = grad_h_last.clone() if grad_h_last is not None else x.new_zeros(batch, hidden)
