@@ -36,7 +36,8 @@ from fxapprox.passes.trace import UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
-from fxapprox.runtime import ApproxRuntime, _shapes, agreed_plan, initial_state
+from fxapprox.ranks import agreed_plan
+from fxapprox.runtime import ApproxRuntime, _shapes, initial_state
 from fxapprox.saved_activations import compress_saved, recompute_saved
 
 

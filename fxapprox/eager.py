@@ -33,7 +33,7 @@ from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.eager_flops import count_eager_flops, count_step_flops
 from fxapprox.passes.eager_saved import count_eager_saved_bytes
 from fxapprox.passes.input_saving import plan_input_saving
-from fxapprox.passes.memory_policy import EAGER_SAVED_KEY
+from fxapprox.passes.saved_values import EAGER_SAVED_KEY
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY, measure_candidates, time_step
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.regions import Region, capture_regions, record_calls
@@ -41,7 +41,8 @@ from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.stitch import EagerCode, install_regions, stitch, stitched_loss
 from fxapprox.plan import Plan
 from fxapprox.report import Report
-from fxapprox.runtime import ApproxRuntime, _shapes, agreed_plan, initial_state
+from fxapprox.ranks import agreed_plan
+from fxapprox.runtime import ApproxRuntime, _shapes, initial_state
 
 __all__ = ["ApproxModel", "approximate_eager"]
 

@@ -22,11 +22,11 @@ from fxapprox.errors import PlanNotReadyError
 from fxapprox.guard import (CheckRecord, CheckStep, LayerCheck, TrainingHistory, alignment_and_cosine, gradient_errors,
                             owner_groups)
 from fxapprox.modules import APPROX_MODULE_TYPES, SamplingSpec
-from fxapprox.passes._meta import fx_meta
-from fxapprox.passes.budget_policy import gain_model
+from fxapprox.passes.payoff import gain_model
 from fxapprox.passes.candidates import parameterised
 from fxapprox.passes.replan import calibrated_error, calibration, predicted_families, replan
 from fxapprox.plan import Plan
+from fxapprox.ranks import mean_over_ranks, plan_of_rank_zero
 from fxapprox.report import Report
 from fxapprox.saved_activations import SavedActivationStats, compressing_saved_tensors
 
@@ -201,7 +201,7 @@ class ApproxRuntime:
         alignment, cosine = alignment_and_cosine(exact, approx)
         # Under DDP each rank checked its own shard of the batch: every rank acts on the ranks' mean, so all make
         # the same decision and the plans stay in agreement.
-        model_error, backward_error, output_error, exact_seconds, approx_seconds = _mean_over_ranks(
+        model_error, backward_error, output_error, exact_seconds, approx_seconds = mean_over_ranks(
             [model_error, backward_error, measured["output_error"], measured["exact_seconds"],
              measured["approx_seconds"]], next(iter(self.parameters())).device)
         factors = calibration(families, backward_error, output_error, memory_error or 0.0, model_error)
@@ -257,7 +257,7 @@ class ApproxRuntime:
             return dataclasses.replace(record, action="measured",
                                        note="; ".join(why) + " (policy='flops' plans are not re-planned)")
         planning = self._planning_module()
-        new = _plan_of_rank_zero(planning, replan(planning, plan, factors, speedup, record.step, config,
+        new = plan_of_rank_zero(planning, replan(planning, plan, factors, speedup, record.step, config,
                                                   "; ".join(why)))
         self._apply_plan(new)
         changed = [d for d, old in zip(new.layers, plan.layers)
@@ -352,63 +352,3 @@ class ApproxRuntime:
     def _portable_state(self) -> dict:
         """The state without the check in flight (its hooks belong to this module's tensors)."""
         return {**self._fxapprox_state, "check": None, "in_reference": False}
-
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def agreed_plan(gm, plan: Plan, state: dict) -> Plan:
-    """Under ``torch.distributed``, the first plan every rank trains with: rank 0's, where every rank planned with
-    the same budget, method and config. The measured policy times candidates on each rank, and timings differ from
-    rank to rank; the plans must not (DDP's sampled AllReduce sums the same sampled rows on every rank). Ranks
-    asked for different plans keep their own, and ``register_sampled_allreduce`` says which rank has which.
-    Every rank must plan (it is a collective), as every rank runs the first batch."""
-    import torch.distributed as dist
-
-    if not _distributed():
-        return plan
-    settings = repr((state["budget"], state["method"], state["memory_budget"], state["config"].to_dict()))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, settings)
-    if len(set(gathered)) > 1:
-        return plan
-    return _plan_of_rank_zero(gm, plan)
-
-
-def _plan_of_rank_zero(gm, plan: Plan) -> Plan:
-    """Under DDP, rank 0's plan (each rank planned from its own timings); its choices are also recorded in
-    every rank's graph meta, which the next checks' predictions read."""
-    import torch.distributed as dist
-
-    if not _distributed():
-        return plan
-    payload = [plan.to_dict() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(payload, src=0)
-    plan = Plan.from_dict(payload[0])
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for decision in plan.layers:
-        node = nodes.get(decision.node)
-        if node is None or "candidates" not in fx_meta(node):
-            continue
-        matching = [c for c in fx_meta(node)["candidates"]
-                    if (c["mode"], c["method"], c["k"]) == (decision.mode, decision.method, decision.k)]
-        fx_meta(node)["chosen"] = (matching[0] if matching else fx_meta(node).get("chosen")) \
-            if decision.approximate else None
-    return plan
-
-
-def _mean_over_ranks(values: list[float], device) -> list[float]:
-    """``values`` averaged over the ranks of the default process group (unchanged when not distributed)."""
-    import torch.distributed as dist
-
-    if not _distributed():
-        return values
-    if dist.get_backend() == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return (tensor / dist.get_world_size()).tolist()

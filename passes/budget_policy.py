@@ -45,10 +45,9 @@ from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta, train_flops
 from fxapprox.passes.candidates import enumerate_candidates, planned_layers
 from fxapprox.passes.graph_view import target_name
-from fxapprox.passes.measure_candidates import EXACT_STEP_KEY
 from fxapprox.passes.error_model import one_draw_errors, output_layers, predicted_contribution, propagation_weights
 from fxapprox.passes.fixed_ratio_policy import flops_choices, uniform_choices
-from fxapprox.passes.payoff import GainModel, step_cost
+from fxapprox.passes.payoff import add_times, gain_model, predicted_cost, step_cost, time_saved
 from fxapprox.passes.policy_types import TOLERANCE as _TOLERANCE, Choice
 
 #: ``approximate(model, budget="auto")``: the policy chooses the FLOPs (the plan with the highest predicted gain)
@@ -133,18 +132,18 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
             candidate["saving"] = _saving(node, candidate)
             candidate["time_saving"] = None if exact_seconds is None or candidate.get("seconds") is None \
                 else exact_seconds - candidate["seconds"]
-    fixed_time = _time_saved(pinned)
+    fixed_time = time_saved(pinned)
     payoff = gain_model(gm, total, config)
     objective = None
     peak: dict = {}
     if payoff is not None:
         def objective(chosen, saved, squared):
-            time_saved, flops_saved, cost = _add(fixed_time, _time_saved(chosen)), fixed_saving + saved, \
-                fixed_cost + _cost(chosen)
-            value = payoff.gain(time_saved, flops_saved, cost)
+            seconds, flops_saved, cost = add_times(fixed_time, time_saved(chosen)), fixed_saving + saved, \
+                fixed_cost + predicted_cost(chosen)
+            value = payoff.gain(seconds, flops_saved, cost)
             if chosen and value > peak.get("gain", -math.inf):   # the best sampled plan, for the note
                 peak.update(gain=value, text=f"{(total - flops_saved) / total:.2f} of the FLOPs, "
-                                             + payoff.describe(time_saved, flops_saved, cost))
+                                             + payoff.describe(seconds, flops_saved, cost))
             return value
     # With the pay-off model and timed candidates, walk towards the most time saved per extra step.
     timed = objective is not None and all(c.get("time_saving") is not None for n in free for c in usable[n])
@@ -162,17 +161,18 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
         walked = least_error_allocation(free, usable, needed, cap, None, rate)[1]
         stopped_for_gain = saved < walked - _TOLERANCE or not capped
     if payoff is not None and chosen:
-        gain = payoff.gain(_add(fixed_time, _time_saved(chosen)), fixed_saving + saved, fixed_cost + _cost(chosen))
+        gain = payoff.gain(add_times(fixed_time, time_saved(chosen)), fixed_saving + saved,
+                           fixed_cost + predicted_cost(chosen))
         if gain < config.min_gain:
             summary["unpaid"] = f"{(total - fixed_saving - saved) / total:.2f} of the FLOPs, " + payoff.describe(
-                _add(fixed_time, _time_saved(chosen)), fixed_saving + saved, fixed_cost + _cost(chosen))
+                add_times(fixed_time, time_saved(chosen)), fixed_saving + saved, fixed_cost + predicted_cost(chosen))
             chosen, saved, squared, stopped_for_gain = {}, 0.0, 0.0, True
     if payoff is not None and not chosen and "unpaid" not in summary and peak:
         summary["unpaid"] = peak["text"]
     if payoff is not None:
-        summary.update(payoff=payoff, predicted_speedup=payoff.speedup(_add(fixed_time, _time_saved(chosen)),
+        summary.update(payoff=payoff, predicted_speedup=payoff.speedup(add_times(fixed_time, time_saved(chosen)),
                                                                        fixed_saving + saved),
-                       predicted_steps=payoff.steps(fixed_cost + _cost(chosen)))
+                       predicted_steps=payoff.steps(fixed_cost + predicted_cost(chosen)))
         summary["predicted_gain"] = summary["predicted_speedup"] / summary["predicted_steps"]
     summary.update(squared_error=fixed_error + squared, capped=bool(capped), stopped_for_gain=stopped_for_gain,
                    step_squared_error=fixed_step_error + sum(c["step_contribution"] for c in chosen.values()),
@@ -195,32 +195,6 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
         else:
             choices[node] = Choice(None, "not needed: layers with less error per FLOP saved meet the budget")
     return choices
-
-
-def _add(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a + b
-
-
-def _time_saved(chosen: dict) -> float | None:
-    """Seconds per step the chosen candidates save, measured (``None`` when one of them was not timed)."""
-    total = 0.0
-    for candidate in chosen.values():
-        if candidate.get("time_saving") is None:
-            return None
-        total += candidate["time_saving"]
-    return total
-
-
-def _cost(chosen: dict) -> float:
-    """The chosen candidates' predicted extra steps (``fxapprox.passes.payoff``)."""
-    return sum(c.get("step_cost", 0.0) for c in chosen.values())
-
-
-def gain_model(gm: torch.fx.GraphModule, total_flops: float, config: ApproxConfig) -> GainModel | None:
-    """The plan's pay-off model (``None`` when ``config.min_gain`` is ``None``: the budget is spent regardless)."""
-    if config.min_gain is None:
-        return None
-    return GainModel(gm.meta.get(EXACT_STEP_KEY), total_flops)
 
 
 def _interpolate(low: dict, high: dict | None, weight: float, key: str):

@@ -30,7 +30,8 @@ ops (``relu_``) alias it — so a tensor is never kept both exact and compressed
    value with the most bits left (largest first) by one step, exact → 8 → 4 → 2,
    until the total fits: even widths, blind to what each value's error costs.
    Either way the inputs attention saves (q, k, v of ``scaled_dot_product_attention``)
-   keep at least 8 bits: its backward exponentiates their product (``_EXPONENTIATING_SAVERS``).
+   keep at least 8 bits: its backward exponentiates their product
+   (``fxapprox.passes.saved_values.EXPONENTIATING_SAVERS``).
 4. If every value at its lowest width still does not fit, the plan says what it reached.
 
 ``ApproxConfig(activation_bits=b)`` instead stores every eligible value at ``b``
@@ -48,108 +49,16 @@ import torch.fx
 from torch import nn
 
 from fxapprox.config import ApproxConfig
-from fxapprox.ops.attention import attention_from_saved_inputs
-from fxapprox.ops.quantize import quantized_nbytes
 from fxapprox.plan import MemoryPlan, SavedValueDecision
 from fxapprox.passes._allocation import least_error_allocation
-from fxapprox.passes._meta import SAME_TENSOR_KEY, fx_meta
+from fxapprox.passes._meta import fx_meta
 from fxapprox.recompute import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES
+from fxapprox.passes.saved_values import (EAGER_SAVED_KEY, SavedValue, dtype_bits, is_relu, mib,
+                                          saved_values)
 
 _STEPS = (8, 4, 2)
-#: ``node.meta["fxapprox"]`` key of an eager-code node: the bytes its code saves (kept exact)
-EAGER_SAVED_KEY = "eager_saved_bytes"
-#: savers whose backward exponentiates a product of their saved inputs, with the fewest bits those inputs keep.
-#: Attention's weights are ``softmax(q·kᵀ)``: a quantisation error in the scores is multiplied through ``exp``, and
-#: it grows as the model trains, which the example batch (at initialisation, near-uniform attention) does not
-#: show. ``benchmarks/bench_planner.py`` ("attention") measures the 4-bit cost of q, k and v at initialisation and
-#: after training, with the rebuilt attention of ``fxapprox/ops/attention.py`` and with the kernel's own backward
-#: (with which, at 4 bits everywhere, the char transformer's loss was NaN from step 300 in a run outside the
-#: benchmarks).
-_EXPONENTIATING_SAVERS = {torch.nn.functional.scaled_dot_product_attention: 8, attention_from_saved_inputs: 8}
 _RECIPE_NAMES = {function: name for name, function in RECOMPUTABLE_FUNCTIONS.items()}
-_RELU_FUNCTIONS = {torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_}
 
-
-def is_relu(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a ReLU (whose backward needs only ``result > 0``)."""
-    if node.op == "call_module":
-        return isinstance(gm.get_submodule(node.target), nn.ReLU)
-    if node.op == "call_function":
-        return node.target in _RELU_FUNCTIONS
-    return node.op == "call_method" and node.target in ("relu", "relu_")
-
-
-def _dtype_bits(dtype) -> int:
-    return torch.finfo(dtype).bits if dtype is not None and dtype.is_floating_point else 32
-
-
-def _mib(value: int) -> str:
-    return f"{value / 2**20:.1f} MiB"
-
-
-class _Value:
-    """A tensor behind one or more graph values (a root and its aliases)."""
-
-    def __init__(self, root: torch.fx.Node) -> None:
-        self.root = root
-        self.members: list[torch.fx.Node] = [root]
-        self.direct = 0          # bytes of the tensor itself, if saved
-        self.derived = 0         # bytes of copies sampled ops make of it and save
-        self.savers: set[str] = set()
-        self.sign_only = True
-        self.min_bits = 0        # a floor on its width (see _EXPONENTIATING_SAVERS), with the saver behind it
-        self.floor_saver: str | None = None
-        tensor_meta = root.meta.get("tensor_meta")
-        self.dtype = getattr(tensor_meta, "dtype", None)
-        self.shape = list(tensor_meta.shape) if hasattr(tensor_meta, "shape") else None
-
-    @property
-    def exact_bytes(self) -> int:
-        return self.direct + self.derived
-
-    def bytes_at(self, bits: int, group_size: int = 256) -> int:
-        dtype_bits = _dtype_bits(self.dtype)
-        if bits >= dtype_bits:
-            return self.exact_bytes
-        element = dtype_bits // 8
-        total = 0
-        for part in (self.direct, self.derived):
-            if part:
-                total += quantized_nbytes(part // element, bits, group_size)
-        return total
-
-
-def _values(gm: torch.fx.GraphModule) -> tuple[dict[str, _Value], int, int]:
-    root_of: dict[str, str] = {}
-    values: dict[str, _Value] = {}
-    for node in gm.graph.nodes:
-        alias = fx_meta(node).get("alias_of") or node.meta.get(SAME_TENSOR_KEY)
-        if alias is not None and alias in root_of:
-            root_of[node.name] = root_of[alias]
-            values[root_of[alias]].members.append(node)
-        else:
-            root_of[node.name] = node.name
-            values[node.name] = _Value(node)
-    internal = internal_bool = 0
-    for node in gm.graph.nodes:
-        meta = fx_meta(node)
-        for source, size in meta.get("saved_from", {}).items():
-            value = values[root_of[source]]
-            value.direct = max(value.direct, size)
-            value.savers.add(node.name)
-            if not (is_relu(gm, node) and root_of[node.name] == value.root.name):
-                value.sign_only = False
-            if node.target in _EXPONENTIATING_SAVERS and root_of[node.name] != value.root.name:
-                value.min_bits, value.floor_saver = _EXPONENTIATING_SAVERS[node.target], node.name
-        for source, size in meta.get("saved_derived", {}).items():
-            value = values[root_of[source]]
-            value.derived += size
-            value.savers.add(node.name)
-            value.sign_only = False
-        # eager code's saves (a hierarchically captured model, passes/eager_saved.py) stay as they are, too
-        internal += meta.get("saved_internal_bytes", 0) + meta.get(EAGER_SAVED_KEY, 0)
-        internal_bool += meta.get("saved_internal_bool_bytes", 0)
-    return {name: v for name, v in values.items() if v.exact_bytes}, internal, internal_bool
 
 
 def recipe_of(gm: torch.fx.GraphModule, node: torch.fx.Node, linear: bool = False
@@ -176,7 +85,7 @@ def recipe_of(gm: torch.fx.GraphModule, node: torch.fx.Node, linear: bool = Fals
     return (recipe, inputs[0]) if len(inputs) == 1 else None
 
 
-def _recomputed(gm: torch.fx.GraphModule, values: dict[str, _Value], config: ApproxConfig) -> dict[str, str]:
+def _recomputed(gm: torch.fx.GraphModule, values: dict[str, SavedValue], config: ApproxConfig) -> dict[str, str]:
     """``{value: source value}`` for the values backward rebuilds from their source, in graph order.
 
     The source is either stored (saved by a node that runs before the value's savers, so its copy exists
@@ -220,20 +129,20 @@ def chain_root(rebuilt: dict[str, str], name: str) -> str:
     return name
 
 
-def _floor_note(value: _Value, bits: int) -> str:
+def _floor_note(value: SavedValue, bits: int) -> str:
     if not value.min_bits or bits > value.min_bits:
         return ""
     return (f"; no fewer than {value.min_bits} bits: {value.floor_saver} exponentiates a product of its saved "
             f"inputs in backward")
 
 
-def _sign_exact(gm: torch.fx.GraphModule, value: _Value) -> bool:
+def _sign_exact(gm: torch.fx.GraphModule, value: SavedValue) -> bool:
     """The tensor's last writer is a ReLU (views do not write; in-place ops do)."""
     writers = [value.root] + [m for m in value.members[1:] if fx_meta(m).get("inplace")]
     return is_relu(gm, writers[-1])
 
 
-def _eligibility(value: _Value, config: ApproxConfig) -> str | None:
+def _eligibility(value: SavedValue, config: ApproxConfig) -> str | None:
     """Why a value keeps its bits (or ``"sign"``: a lossless 1-bit mask), ``None`` when its bits are chosen."""
     if value.dtype is None or not value.dtype.is_floating_point:
         return "kept: not a floating-point tensor"
@@ -248,7 +157,7 @@ def memory_candidates(gm: torch.fx.GraphModule, config: ApproxConfig) -> dict:
     """The values whose bits the measured memory policy chooses:
     ``{name: (members, savers, sign_exact, rebuilt)}`` with ``rebuilt`` the values recomputed from it,
     directly or through others, ``[(name, members, savers, source)]`` in graph order, measured with it."""
-    values, _, _ = _values(gm)
+    values, _, _ = saved_values(gm)
     rebuilt = _recomputed(gm, values, config)
     dependents: dict[str, list] = {}
     for name, source in rebuilt.items():
@@ -273,7 +182,7 @@ def resolve_recompute(gm: torch.fx.GraphModule, memory_budget: float | None, con
     cheap = dataclasses.replace(config, activation_recompute=True)
     if config.activation_bits is not None or memory_budget is None or memory_budget >= 1.0:
         return cheap
-    values, internal, internal_bool = _values(gm)
+    values, internal, internal_bool = saved_values(gm)
     rebuilt = _recomputed(gm, values, cheap)
     group = config.activation_group_size
     total = internal - internal_bool + (internal_bool + 7) // 8
@@ -304,7 +213,7 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     uniform_bits = config.activation_bits
     if uniform_bits is None and (memory_budget is None or memory_budget >= 1.0):
         return None
-    values, internal, internal_bool = _values(gm)
+    values, internal, internal_bool = saved_values(gm)
     planned_internal = internal - internal_bool + (internal_bool + 7) // 8
     bits: dict[str, int] = {}
     reasons: dict[str, str] = {}
@@ -316,7 +225,7 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
         if values[name].min_bits > root.min_bits:
             root.min_bits, root.floor_saver = values[name].min_bits, values[name].floor_saver
     for name, value in values.items():
-        bits[name] = _dtype_bits(value.dtype)
+        bits[name] = dtype_bits(value.dtype)
         blocker = _eligibility(value, config)
         if name in rebuilt:
             continue
@@ -375,7 +284,7 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
         bits[name] = bits[chain_root(rebuilt, name)]
         if source in rebuilt:
             stored = "rebuilt value"
-        elif bits[source] >= _dtype_bits(values[source].dtype):
+        elif bits[source] >= dtype_bits(values[source].dtype):
             stored = "exact value"
         else:
             stored = f"{bits[source]}-bit copy"
@@ -392,21 +301,21 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     why_not = ""
     if not met:
         kept = [v.exact_bytes for n, v in values.items()
-                if bits[n] >= _dtype_bits(v.dtype) and n not in candidates and n not in rebuilt]
-        why_not = (f", NOT met: every eligible value is at its lowest width; {len(kept)} values ({_mib(sum(kept))}) "
-                   f"and {_mib(planned_internal)} of temporaries stay as they are")
+                if bits[n] >= dtype_bits(v.dtype) and n not in candidates and n not in rebuilt]
+        why_not = (f", NOT met: every eligible value is at its lowest width; {len(kept)} values ({mib(sum(kept))}) "
+                   f"and {mib(planned_internal)} of temporaries stay as they are")
     predicted = math.sqrt(sum(errors.values())) if measured else None
     error_text = "" if predicted is None else f"; predicted model-gradient error {predicted:.3f}"
     eager = sum(fx_meta(n).get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
-    eager_text = f"; {_mib(eager)} saved by eager code, kept exact" if eager else ""
-    note = (f"saved activations: exact {_mib(exact_total)}, planned {_mib(planned)} "
+    eager_text = f"; {mib(eager)} saved by eager code, kept exact" if eager else ""
+    note = (f"saved activations: exact {mib(exact_total)}, planned {mib(planned)} "
             f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}{why_not}{error_text}"
             f"{eager_text})")
     decisions = []
     for name, value in values.items():
         b = bits[name]
         source = rebuilt.get(name)
-        compressed = source is None and (b < _dtype_bits(value.dtype) or name in routed)
+        compressed = source is None and (b < dtype_bits(value.dtype) or name in routed)
         decisions.append(SavedValueDecision(
             node=name, shape=value.shape, dtype=str(value.dtype).replace("torch.", ""),
             exact_bytes=value.exact_bytes, planned_bytes=planned_bytes(name), bits=b, reason=reasons[name],

@@ -29,9 +29,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxapprox.passes.error_model import one_draw_errors
+import torch.fx
 
-__all__ = ["GainModel", "step_cost"]
+from fxapprox.config import ApproxConfig
+from fxapprox.passes.error_model import one_draw_errors
+from fxapprox.passes.measure_candidates import EXACT_STEP_KEY
+
+__all__ = ["GainModel", "add_times", "gain_model", "predicted_cost", "step_cost", "time_saved"]
 
 
 def step_cost(candidate: dict, backward_error_cost: float, forward_error_cost: float) -> float:
@@ -70,3 +74,29 @@ class GainModel:
         speedup, steps = self.speedup(time_saved, flops_saved), self.steps(step_cost)
         return (f"predicted {speedup:.2f}x faster per step, {steps:.2f}x the steps: "
                 f"{speedup / steps:.2f}x {'sooner' if speedup >= steps else 'later'} to the same loss")
+
+
+def add_times(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+def time_saved(chosen: dict) -> float | None:
+    """Seconds per step the chosen candidates save, measured (``None`` when one of them was not timed)."""
+    total = 0.0
+    for candidate in chosen.values():
+        if candidate.get("time_saving") is None:
+            return None
+        total += candidate["time_saving"]
+    return total
+
+
+def predicted_cost(chosen: dict) -> float:
+    """The chosen candidates' predicted extra steps (``fxapprox.passes.payoff``)."""
+    return sum(c.get("step_cost", 0.0) for c in chosen.values())
+
+
+def gain_model(gm: torch.fx.GraphModule, total_flops: float, config: ApproxConfig) -> "GainModel | None":
+    """The plan's pay-off model (``None`` when ``config.min_gain`` is ``None``: the budget is spent regardless)."""
+    if config.min_gain is None:
+        return None
+    return GainModel(gm.meta.get(EXACT_STEP_KEY), total_flops)

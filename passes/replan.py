@@ -35,7 +35,8 @@ from fxapprox.config import ApproxConfig
 from fxapprox.plan import Plan
 from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta, train_flops
-from fxapprox.passes.budget_policy import _cost, _describe, _time_saved, assemble_plan, decisions_for, gain_model
+from fxapprox.passes.budget_policy import _describe, assemble_plan, decisions_for
+from fxapprox.passes.payoff import gain_model, predicted_cost, time_saved
 from fxapprox.passes.error_model import one_draw_errors
 from fxapprox.passes.policy_types import Choice
 from fxapprox.passes.candidates import planned_layers
@@ -119,7 +120,7 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
     total = sum(train_flops(n) for n in gm.graph.nodes)
     payoff = gain_model(gm, total, config)
     current = {n: fx_meta(n).get("chosen") for n in layers if by_name[n.name].approximate}
-    predicted_speedup = payoff.speedup(_time_saved(current), sum(train_flops(n) - c["flops"]
+    predicted_speedup = payoff.speedup(time_saved(current), sum(train_flops(n) - c["flops"]
                                                                    for n, c in current.items())) if payoff else 1.0
     time_scale = 1.0
     if payoff is not None and predicted_speedup > 1.0 and measured_speedup > 0:
@@ -151,7 +152,7 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
     objective = None
     if payoff is not None:
         def objective(chosen, saved, squared):
-            return payoff.gain(_time_saved(chosen), saved, _cost(chosen))
+            return payoff.gain(time_saved(chosen), saved, predicted_cost(chosen))
     needed = sum(train_flops(n) - c["flops"] for n, c in current.items())
     timed = objective is not None and all(o.get("time_saving") is not None for group in options.values()
                                           for o in group)
@@ -181,15 +182,15 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
     summary = {"squared_error": squared,
                "step_squared_error": sum(c["step_contribution"] for c in chosen.values())}
     if payoff is not None:
-        summary["predicted_speedup"] = payoff.speedup(_time_saved(chosen), saved)
-        summary["predicted_steps"] = payoff.steps(_cost(chosen))
+        summary["predicted_speedup"] = payoff.speedup(time_saved(chosen), saved)
+        summary["predicted_steps"] = payoff.steps(predicted_cost(chosen))
         summary["predicted_gain"] = summary["predicted_speedup"] / summary["predicted_steps"]
     sampled = sum(d.approximate for d in decisions)
     planned = (total - saved) / total if total else 1.0
     note = (f"re-planned at step {step} ({why}): {sampled} layer(s) sampled, planned {planned:.3f} of exact training "
             f"FLOPs, calibrated model-gradient error {math.sqrt(squared):.3f}")
     if payoff is not None and sampled:
-        note += "; " + payoff.describe(_time_saved(chosen), saved, _cost(chosen))
+        note += "; " + payoff.describe(time_saved(chosen), saved, predicted_cost(chosen))
     return dataclasses.replace(assemble_plan(plan.budget, plan.method, total, decisions, config, note, summary,
                                              plan.budget_met and saved >= needed - 0.5),
                                memory=plan.memory, untraced=plan.untraced,
