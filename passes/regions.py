@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxapprox.errors import TraceError
-from fxapprox.op_kinds import hf_conv1d_class
+from fxapprox.builtin_op_kinds import hf_conv1d_class
 from fxapprox.passes.trace import RECURRENT_MODULES, UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 

@@ -27,7 +27,7 @@ import torch.fx
 from torch import nn
 
 from fxapprox.errors import TraceError
-from fxapprox.op_kinds import hf_conv1d_class
+from fxapprox.builtin_op_kinds import hf_conv1d_class
 
 # nn.RNNBase also covers ApproxLSTM (an RNNBase with nn.LSTM's methods, see fxapprox.modules)
 RECURRENT_MODULES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.RNNBase)
