@@ -7,6 +7,8 @@ decision for layers matched by name, regular expression or module type.
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import warnings
 from dataclasses import dataclass
@@ -331,44 +333,16 @@ class ApproxConfig:
         return None
 
     def to_dict(self) -> dict:
-        """A JSON-serialisable description (types are written by name)."""
-        def name(value):
-            return value.__name__ if isinstance(value, type) else value
-        return {
-            "leaf_modules": [name(leaf) for leaf in self.leaf_modules],
-            "strict_trace": self.strict_trace,
-            "overrides": [
-                {"pattern": name(r.pattern), "keep_ratio": r.keep_ratio, "method": r.method, "mode": r.mode,
-                 "exclude": r.exclude}
-                for r in self.overrides
-            ],
-            "keep_ratio": self.keep_ratio,
-            "min_keep_ratio": self.min_keep_ratio,
-            "min_channels": self.min_channels,
-            "min_k": self.min_k,
-            "mode": self.mode,
-            "random_share": self.random_share,
-            "policy": self.policy,
-            "keep_ratios": list(self.keep_ratios),
-            "max_grad_error": self.max_grad_error,
-            "min_speedup": self.min_speedup,
-            "measure_repeats": self.measure_repeats,
-            "error_draws": self.error_draws,
-            "noise_horizon": self.noise_horizon,
-            "lstm_granularity": self.lstm_granularity,
-            "lstm_block_steps": self.lstm_block_steps,
-            "activation_bits": self.activation_bits,
-            "activation_group_size": self.activation_group_size,
-            "activation_rounding": self.activation_rounding,
-            "activation_min_bytes": self.activation_min_bytes,
-            "activation_compile": self.activation_compile,
-            "activation_policy": self.activation_policy,
-            "activation_recompute": self.activation_recompute,
-            "activation_replan_every": self.activation_replan_every,
-            "backward_error_cost": self.backward_error_cost,
-            "forward_error_cost": self.forward_error_cost,
-            "min_gain": self.min_gain,
-            "check_every": self.check_every,
-            "check_replan": self.check_replan,
-            "check_verbose": self.check_verbose,
-        }
+        """A JSON-serialisable description, one key per field (types are written by name)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _plain(value):
+    """``value`` as JSON data: types by name, overrides as dicts of their fields, tuples as lists."""
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, LayerOverride):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value

@@ -53,10 +53,10 @@ from fxapprox.plan import MemoryPlan, SavedValueDecision
 from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.passes._meta import fx_meta
 from fxapprox.recompute import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES
+from fxapprox.passes.measure_saved import SAVED_BITS
 from fxapprox.passes.saved_values import (EAGER_SAVED_KEY, SavedValue, dtype_bits, is_relu, mib,
                                           saved_values)
 
-_STEPS = (8, 4, 2)
 _RECIPE_NAMES = {function: name for name, function in RECOMPUTABLE_FUNCTIONS.items()}
 
 
@@ -260,7 +260,7 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
             value, measured_bits = values[name], fx_meta(values[name].root)["bit_errors"]
             options[name] = [{"bits": b, "saving": value.exact_bytes - value.bytes_at(b, group),
                               "contribution": measured_bits[b]["contribution"]}
-                             for b in _STEPS if b < bits[name] and b >= value.min_bits]
+                             for b in SAVED_BITS if b < bits[name] and b >= value.min_bits]
         needed = max(0.0, planned_total() - memory_budget * exact_total)
         chosen, _, _, _ = least_error_allocation(candidates, options, needed, None)
         for name, option in chosen.items():
@@ -272,12 +272,12 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
         target = memory_budget * exact_total
         total = planned_total()
         while total > target:
-            lowerable = [n for n in candidates if bits[n] > max(_STEPS[-1], values[n].min_bits)]
+            lowerable = [n for n in candidates if bits[n] > max(SAVED_BITS[-1], values[n].min_bits)]
             if not lowerable:
                 break
             name = max(lowerable, key=lambda n: (bits[n], values[n].bytes_at(bits[n], group)))
             before = values[name].bytes_at(bits[name], group)
-            bits[name] = next(step for step in _STEPS if step < bits[name])
+            bits[name] = next(step for step in SAVED_BITS if step < bits[name])
             total -= before - values[name].bytes_at(bits[name], group)
             reasons[name] = f"{bits[name]}-bit copy (memory budget)" + _floor_note(values[name], bits[name])
     for name, source in rebuilt.items():
