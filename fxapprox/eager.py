@@ -18,15 +18,12 @@ import contextlib
 import copy
 import dataclasses
 
-import torch
-import torch.fx
 from torch import nn
 
 from fxapprox.analysis import analyse, measurement_sandbox
 from fxapprox.config import ApproxConfig
 from fxapprox.errors import TraceError
 from fxapprox.memory_planning import memory_planned, plan_saved_activations
-from fxapprox.graph_pickle import graph_from_records, graph_records
 from fxapprox.passes._meta import fx_meta
 from fxapprox.passes.budget_policy import AUTO_BUDGET, plan_budget
 from fxapprox.passes.candidates import enumerate_candidates
@@ -129,32 +126,11 @@ class ApproxModel(ApproxRuntime):
 
     def __reduce__(self):
         # The class is made on the fly: pickle the user's class and make the subclass again on load. The planning
-        # graph pickles as records (GraphModule's own pickling re-imports its targets by name, which the eager
-        # code's stand-ins have none of).
+        # graph is a RecordedGraphModule: it pickles as records (GraphModule's own pickling re-imports its targets
+        # by name, which the eager code's stand-ins have none of).
         body = dict(self.__dict__)
-        state = self._portable_state()
-        planning = state.get("planning")
-        if planning is not None:
-            state["planning"] = _PickledGraph(graph_records(planning.graph), planning.graph._codegen,
-                                              {key: planning.__dict__[key] for key in ("_modules", "_parameters",
-                                                                                       "_buffers")}, planning.meta)
-        body["_fxapprox_state"] = state
+        body["_fxapprox_state"] = self._portable_state()
         return (_rebuild_eager, (_user_class(type(self)), body))
-
-
-@dataclasses.dataclass
-class _PickledGraph:
-    records: list
-    codegen: object
-    attributes: dict
-    meta: dict
-
-    def rebuild(self) -> torch.fx.GraphModule:
-        root = nn.Module()
-        root.__dict__.update(self.attributes)
-        gm = torch.fx.GraphModule(root, graph_from_records(self.records, self.codegen), class_name="StitchedRegions")
-        gm.meta = self.meta
-        return gm
 
 
 _CLASSES: dict[type, type] = {}
@@ -176,9 +152,6 @@ def _user_class(approx_class: type) -> type:
 def _rebuild_eager(user_class: type, body: dict) -> nn.Module:
     model = user_class.__new__(_approx_class(user_class))
     model.__dict__.update(body)
-    planning = body.get("_fxapprox_state", {}).get("planning")
-    if isinstance(planning, _PickledGraph):
-        body["_fxapprox_state"]["planning"] = planning.rebuild()
     return model
 
 

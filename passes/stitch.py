@@ -167,7 +167,7 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
     loss = graph.call_function(stitched_loss, tuple(outputs))
     loss.meta[OUTSIDE_MODEL_KEY] = True
     graph.output(loss)
-    stitched = torch.fx.GraphModule(objects, graph, class_name="StitchedRegions")
+    stitched = RecordedGraphModule(objects, graph, class_name="StitchedRegions")
     return stitched, tuple(values)
 
 
