@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import fxapprox  # noqa: E402
 from _common import machine_line, markdown_table, print_table, write_section  # noqa: E402
 from fxapprox import ApproxConfig  # noqa: E402
+from fxapprox.records import BIT_ERRORS_KEY  # noqa: E402
 
 METHODS = ("topk", "crs", "bernoulli", "wta_crs", "auto")
 
@@ -264,8 +265,8 @@ def bits() -> str:
         for width in (2, 4, 8):
             measure_saved.MEASURED_BITS = width
             approx = fxapprox.approximate(model, 1.0, memory_budget=0.125, example_inputs=example)
-            measured[width] = {n.name: n.meta["fxapprox"]["bit_errors"] for n in approx.graph.nodes
-                               if "bit_errors" in n.meta.get("fxapprox", {})}
+            measured[width] = {n.name: n.meta[BIT_ERRORS_KEY] for n in approx.graph.nodes
+                               if BIT_ERRORS_KEY in n.meta}
     finally:
         measure_saved.MEASURED_BITS = 4
     ratios = {2: [], 8: []}
@@ -333,8 +334,8 @@ def attention(steps: int) -> str:
     def plan(model, recompute):
         approx = fxapprox.approximate(copy.deepcopy(model), 1.0, memory_budget=0.125, example_inputs=(batch[0],),
                                       config=ApproxConfig(activation_recompute=recompute))
-        costs = {n.name: math.sqrt(n.meta["fxapprox"]["bit_errors"][4]["contribution"]) for n in approx.graph.nodes
-                 if "bit_errors" in n.meta.get("fxapprox", {})}
+        costs = {n.name: math.sqrt(n.meta[BIT_ERRORS_KEY][4]["contribution"]) for n in approx.graph.nodes
+                 if BIT_ERRORS_KEY in n.meta}
         return approx, costs
 
     rows = []

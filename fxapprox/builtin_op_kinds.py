@@ -14,6 +14,7 @@ from fxapprox.op_kinds import (CONV2D_ARG_NAMES, CONV2D_DEFAULTS, CONV2D_TARGETS
                                conv2d_call_args, is_matmul, kept_count, linear_call_args, parameter_of,
                                register_op_kind)
 from fxapprox.ops.lstm import LSTMBackward
+from fxapprox.records import flops_of, kind_of, tensor_of
 
 __all__ = ["Conv2dKind", "FunctionalConv2dKind", "FunctionalLinearKind", "HFConv1DKind", "LSTMKind", "LinearKind",
            "MatmulKind", "hf_conv1d_class"]
@@ -31,7 +32,7 @@ def _own_forward_blocker(module: nn.Module, base: type) -> str | None:
 class LinearKind(OpKind):
     name = "linear"
 
-    def blocker(self, gm, node, meta):
+    def blocker(self, gm, node):
         return _own_forward_blocker(gm.get_submodule(node.target), nn.Linear)
 
     def match(self, gm, node):
@@ -49,8 +50,17 @@ class LinearKind(OpKind):
         return [], ["weight"]
 
 
+def _batch_size(node: torch.fx.Node) -> int:
+    """A convolution's GEMM rows for batch-row sampling: its batch (channels come second, not last)."""
+    shape = tensor_of(node).shape
+    return shape[0] if shape and all(isinstance(s, int) for s in shape) else 0
+
+
 class Conv2dKind(OpKind):
     name = "conv2d"
+
+    def batch_rows(self, node):
+        return _batch_size(node)
 
     def match(self, gm, node):
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.Conv2d):
@@ -61,8 +71,8 @@ class Conv2dKind(OpKind):
                 "kernel_size": list(module.kernel_size), "padding_mode": module.padding_mode,
                 "weight_requires_grad": module.weight.requires_grad}
 
-    def blocker(self, gm, node, meta):
-        reason = _own_forward_blocker(gm.get_submodule(node.target), nn.Conv2d) or _groups_blocker(meta)
+    def blocker(self, gm, node):
+        reason = _own_forward_blocker(gm.get_submodule(node.target), nn.Conv2d) or _groups_blocker(node)
         if reason is None and resolve_conv_padding(gm.get_submodule(node.target)) is None:
             reason = "asymmetric 'same' padding (even kernel): not sampled"
         return reason
@@ -74,11 +84,12 @@ class Conv2dKind(OpKind):
         return [], ["weight"]
 
 
-def _groups_blocker(meta: dict) -> str | None:
-    groups = meta.get("groups", 1)
+def _groups_blocker(node: torch.fx.Node) -> str | None:
+    kind = kind_of(node)
+    groups = kind.groups
     if groups is None:
         return "functional conv2d with traced groups: not sampled"
-    if groups == meta.get("in_channels") and groups > 1:
+    if groups == kind.in_channels and groups > 1:
         return "depthwise conv (groups == in_channels): one channel per group, nothing to sample"
     if groups != 1:
         return f"grouped conv (groups={groups}): channel sampling per group not supported"
@@ -111,6 +122,9 @@ class FunctionalLinearKind(OpKind):
 class FunctionalConv2dKind(OpKind):
     name = "conv2d_fn"
 
+    def batch_rows(self, node):
+        return _batch_size(node)
+
     def match(self, gm, node):
         if node.op != "call_function" or node.target not in CONV2D_TARGETS:
             return None
@@ -125,10 +139,10 @@ class FunctionalConv2dKind(OpKind):
                 "numeric_padding": not isinstance(call["padding"], (str, torch.fx.Node)),
                 "weight_requires_grad": weight.requires_grad}
 
-    def blocker(self, gm, node, meta):
-        if not meta.get("numeric_padding", True):
+    def blocker(self, gm, node):
+        if not kind_of(node).numeric_padding:
             return "functional conv2d with string or traced padding: not sampled"
-        return _groups_blocker(meta)
+        return _groups_blocker(node)
 
     def build(self, gm, node, spec, lstm=LSTMBackward()):
         call = conv2d_call_args(node)
@@ -162,23 +176,19 @@ class MatmulKind(OpKind):
                     "weight_requires_grad": left_param.requires_grad}
         return None
 
-    def mode_blocker(self, meta, mode, ratio, min_k, min_channels):
-        if mode != "forward" and meta.get("parameter_side") == "left":
+    def mode_blocker(self, node, mode, ratio, min_k, min_channels):
+        if mode != "forward" and kind_of(node).parameter_side == "left":
             return "backward sampling of W @ x is not offered (rows are the parameter's side)"
-        return super().mode_blocker(meta, mode, ratio, min_k, min_channels)
+        return super().mode_blocker(node, mode, ratio, min_k, min_channels)
 
     def build(self, gm, node, spec, lstm=LSTMBackward()):
-        from fxapprox.passes._meta import fx_meta
-
-        return ApproxMatmul(spec, fx_meta(node)["parameter_side"])
+        return ApproxMatmul(spec, kind_of(node).parameter_side)
 
     def call_args(self, node, args, kwargs):
         return tuple(args[:2])
 
     def gradient_operands(self, gm, node):
-        from fxapprox.passes._meta import fx_meta
-
-        return [1 if fx_meta(node)["parameter_side"] == "right" else 0], []
+        return [1 if kind_of(node).parameter_side == "right" else 0], []
 
 
 class LSTMKind(OpKind):
@@ -187,6 +197,7 @@ class LSTMKind(OpKind):
     name = "lstm"
     modes = ("backward",)
     methods = ("topk",)
+    uses_random_share = False
 
     def match(self, gm, node):
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.LSTM):
@@ -195,18 +206,18 @@ class LSTMKind(OpKind):
         return {"module_type": type(module).__name__, "in_channels": module.input_size,
                 "out_channels": module.hidden_size, "groups": 1, "reduction_size": module.hidden_size}
 
-    def blocker(self, gm, node, meta):
+    def blocker(self, gm, node):
         module = gm.get_submodule(node.target)
         return _own_forward_blocker(module, nn.LSTM) or lstm_blocker(module)
 
-    def mode_blocker(self, meta, mode, ratio, min_k, min_channels):
+    def mode_blocker(self, node, mode, ratio, min_k, min_channels):
         if mode != "backward":
             return f"{mode} sampling is not offered for an LSTM (its forward stays exact)"
-        k = kept_count(ratio, meta.get("reduction_size") or 0)
+        k = kept_count(ratio, kind_of(node).reduction_size or 0)
         return f"k={k} gate columns at keep-ratio {ratio:g} < min_k={min_k}" if k < min_k else None
 
-    def candidate_flops(self, meta, mode, keep_ratio):
-        forward, backward = int(meta.get("flops_fwd", 0)), int(meta.get("flops_bwd", 0))
+    def candidate_flops(self, node, mode, keep_ratio):
+        forward, backward = flops_of(node).forward, flops_of(node).backward
         return round(forward + backward - (1.0 - keep_ratio) * backward)
 
     def build(self, gm, node, spec, lstm=LSTMBackward()):
@@ -237,7 +248,7 @@ class HFConv1DKind(OpKind):
         return {"module_type": type(module).__name__, "in_channels": n_in, "out_channels": n_out, "groups": 1,
                 "reduction_size": n_in, "weight_requires_grad": module.weight.requires_grad}
 
-    def blocker(self, gm, node, meta):
+    def blocker(self, gm, node):
         module = gm.get_submodule(node.target)
         return _own_forward_blocker(module, hf_conv1d_class(module))
 

@@ -24,13 +24,12 @@ from fxapprox.analysis import analyse, measurement_sandbox
 from fxapprox.config import ApproxConfig
 from fxapprox.errors import TraceError
 from fxapprox.memory_planning import memory_planned, plan_saved_activations
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import EAGER_SAVED_KEY, FLOPS_KEY, FlopCount, flops_of
 from fxapprox.passes.budget_policy import AUTO_BUDGET, plan_budget
 from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.eager_flops import count_eager_flops, count_step_flops
 from fxapprox.passes.eager_saved import count_eager_saved_bytes
 from fxapprox.passes.input_saving import plan_input_saving
-from fxapprox.passes.saved_values import EAGER_SAVED_KEY
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY, measure_candidates, time_step
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.regions import Region, capture_regions, record_calls
@@ -70,13 +69,13 @@ class ApproxModel(ApproxRuntime):
         planning, inputs = stitch(self, capture, received)
         analyse(planning, inputs, progress=config.progress)
         for node in planning.graph.find_nodes(op="call_function", target=stitched_loss):   # not the model's
-            fx_meta(node)["flops_fwd"] = fx_meta(node)["flops_bwd"] = 0
-        regions_backward = sum(fx_meta(n).get("flops_bwd", 0) for n in planning.graph.nodes)
+            node.meta[FLOPS_KEY] = FlopCount()
+        regions_backward = sum(flops_of(n).backward for n in planning.graph.nodes)
         eager_flops = count_eager_flops(capture, forward_flops, step_flops.get("", 0), regions_backward)
         for node in planning.graph.nodes:
             if isinstance(node.target, EagerCode):
-                fx_meta(node)["flops_fwd"], fx_meta(node)["flops_bwd"] = eager_flops.get(node.target.path, (0, 0))
-                fx_meta(node)[EAGER_SAVED_KEY] = eager_saved.get(node.target.path, 0)
+                node.meta[FLOPS_KEY] = FlopCount(*eager_flops.get(node.target.path, (0, 0)))
+                node.meta[EAGER_SAVED_KEY] = eager_saved.get(node.target.path, 0)
         rank_layers(planning)
         enumerate_candidates(planning, state["method"], config)
         if config.policy == "measured" and (state["budget"] == AUTO_BUDGET or state["budget"] < 1.0):

@@ -39,6 +39,7 @@ from torch import nn
 
 from fxapprox.modules import SamplingSpec
 from fxapprox.ops.lstm import LSTMBackward
+from fxapprox.records import flops_of, kind_of, tensor_of
 
 MATMUL_TARGETS = (torch.matmul, operator.matmul, torch.mm)
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear)
@@ -46,11 +47,15 @@ CONV2D_TARGETS = (F.conv2d, torch.conv2d)
 CONV2D_ARG_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 CONV2D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
-#: layer kinds that are recognised but have no approximate version (they stay exact, with this reason)
-UNSUPPORTED_MODULES: tuple[tuple[type[nn.Module], str], ...] = (
-    (nn.Conv1d, "conv1d"), (nn.Conv3d, "conv3d"), (nn.ConvTranspose1d, "conv_transpose1d"),
-    (nn.ConvTranspose2d, "conv_transpose2d"), (nn.ConvTranspose3d, "conv_transpose3d"),
-    (nn.GRU, "gru"), (nn.RNN, "rnn"),
+_NOT_SAMPLED = "{module_type}: only Linear, Conv2d, LSTM, linear, conv2d and matmul are sampled"
+_RECURRENT = "recurrent layer ({module_type}): no sparse-backward version yet"
+#: why a functional op of an approximable kind without a parameter operand stays exact
+NO_PARAMETER_OPERAND = "no parameter operand (both operands are activations)"
+#: layer kinds that are recognised but have no approximate version: (module type, kind, why it stays exact)
+UNSUPPORTED_MODULES: tuple[tuple[type[nn.Module], str, str], ...] = (
+    (nn.Conv1d, "conv1d", _NOT_SAMPLED), (nn.Conv3d, "conv3d", _NOT_SAMPLED),
+    (nn.ConvTranspose1d, "conv_transpose1d", _NOT_SAMPLED), (nn.ConvTranspose2d, "conv_transpose2d", _NOT_SAMPLED),
+    (nn.ConvTranspose3d, "conv_transpose3d", _NOT_SAMPLED), (nn.GRU, "gru", _RECURRENT), (nn.RNN, "rnn", _RECURRENT),
 )
 
 
@@ -80,15 +85,6 @@ def parameter_of(gm: torch.fx.GraphModule, arg) -> nn.Parameter | None:
     return None
 
 
-def _rows(meta: dict) -> int:
-    """Rows of the layer's GEMM (batch × tokens for a linear, batch for a conv): from its output shape."""
-    shape = meta.get("shape")
-    if not shape or not all(isinstance(s, int) for s in shape):
-        return 0
-    return math.prod(shape[:-1]) if meta.get("op_kind") in ("linear", "linear_fn", "matmul", "conv1d_hf") \
-        else shape[0]
-
-
 def kept_count(ratio: float, n: int) -> int:
     """Pairs kept of ``n`` at keep-ratio ``ratio`` (the planner's k: floor, at least 1)."""
     return max(1, min(n, math.floor(ratio * n + 1e-9)))
@@ -97,23 +93,33 @@ def kept_count(ratio: float, n: int) -> int:
 class OpKind:
     """Base handler: override what the kind needs (see the module docstring)."""
 
-    #: the ``op_kind`` written into ``node.meta["fxapprox"]``
+    #: the ``op_kind`` of its nodes' :class:`~fxapprox.records.LayerKind`
     name: str = ""
     #: sampling modes this kind offers (see ``fxapprox.modules.MODES``)
     modes: tuple[str, ...] = ("forward", "backward", "weight_grad")
     #: methods it offers (``None``: every registered method)
     methods: tuple[str, ...] | None = None
+    #: whether its top-k candidates draw ``ApproxConfig.random_share`` of their pairs at random
+    uses_random_share: bool = True
 
     # -- matching ------------------------------------------------------------
     def match(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> dict | None:
         """Channel info (``in_channels``, ``out_channels``, ``reduction_size``, …) or ``None``."""
         raise NotImplementedError
 
-    def blocker(self, gm: torch.fx.GraphModule, node: torch.fx.Node, meta: dict) -> str | None:
+    def blocker(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
         """Why this node cannot be approximated at all, or ``None``."""
         return None
 
-    def mode_blocker(self, meta: dict, mode: str, ratio: float, min_k: int, min_channels: int) -> str | None:
+    def batch_rows(self, node: torch.fx.Node) -> int:
+        """Rows of the layer's GEMM, from its output shape: every leading dimension (batch × tokens; features
+        last). A kind whose features are not last (a convolution's channels) overrides it."""
+        shape = tensor_of(node).shape
+        if not shape or not all(isinstance(s, int) for s in shape):
+            return 0
+        return math.prod(shape[:-1])
+
+    def mode_blocker(self, node: torch.fx.Node, mode: str, ratio: float, min_k: int, min_channels: int) -> str | None:
         """Why ``mode`` at keep-ratio ``ratio`` does not fit this node, or ``None``.
 
         Every sampled dimension must keep at least ``min_k`` entries; a sampled input
@@ -122,17 +128,18 @@ class OpKind:
         """
         if mode not in self.modes:
             return f"{mode} sampling is not offered for {self.name}"
-        if mode == "weight_grad" and not meta.get("weight_requires_grad", True):
+        kind = kind_of(node)
+        if mode == "weight_grad" and not kind.weight_requires_grad:
             return "frozen weight (no weight gradient to sample)"
-        n = meta.get("reduction_size") or 0
+        n = kind.reduction_size or 0
         if mode == "forward":
             k = kept_count(ratio, n)
             return f"k={k} at keep-ratio {ratio:g} < min_k={min_k}" if k < min_k else None
-        rows = _rows(meta)
+        rows = self.batch_rows(node)
         if round(ratio * rows) < min_k:
             return f"{round(ratio * rows)} of {rows} batch rows at keep-ratio {ratio:g} < min_k={min_k}"
         if mode == "backward":
-            out = meta.get("out_channels") or 0
+            out = kind.out_channels or 0
             if out < min_channels:
                 return f"input-gradient sampling over {out} outputs < min_channels={min_channels}"
             if round(ratio * out) < min_k:
@@ -140,19 +147,19 @@ class OpKind:
         return None
 
     # -- cost ----------------------------------------------------------------
-    def weight_grad_flops(self, meta: dict) -> int:
+    def weight_grad_flops(self, node: torch.fx.Node) -> int:
         """FLOPs of the weight-gradient product (for these kinds: the forward product's, when it exists)."""
-        return int(meta.get("flops_fwd", 0)) if meta.get("weight_requires_grad", True) else 0
+        return flops_of(node).forward if kind_of(node).weight_requires_grad else 0
 
-    def candidate_flops(self, meta: dict, mode: str, keep_ratio: float) -> int:
+    def candidate_flops(self, node: torch.fx.Node, mode: str, keep_ratio: float) -> int:
         """Training FLOPs (forward + backward) of the node approximated with ``mode`` at ``keep_ratio``."""
-        forward, backward = int(meta.get("flops_fwd", 0)), int(meta.get("flops_bwd", 0))
+        forward, backward = flops_of(node).forward, flops_of(node).backward
         if mode == "forward":
             sampled = forward + backward
         elif mode == "backward":
             sampled = backward
         else:
-            sampled = min(backward, self.weight_grad_flops(meta))
+            sampled = min(backward, self.weight_grad_flops(node))
         return round(forward + backward - (1.0 - keep_ratio) * sampled)
 
     # -- building ------------------------------------------------------------
@@ -212,29 +219,32 @@ def is_matmul(node: torch.fx.Node) -> bool:
 
 def match_node(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[OpKind | None, dict]:
     """The registered kind of ``node`` and its channel info; ``(None, info)`` for every other node
-    (``info["op_kind"]`` still names a recognised kind without an approximate version, or ``None``)."""
+    (``info["op_kind"]`` still names a recognised kind without an approximate version, with ``info["unsupported"]``
+    saying why it stays exact, or ``None``)."""
     for handler in _REGISTRY.values():
         info = handler.match(gm, node)
         if info is not None:
             return handler, {"op_kind": handler.name, "approximable": True, **info}
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        for module_type, kind in UNSUPPORTED_MODULES:
+        for module_type, kind, reason in UNSUPPORTED_MODULES:
             if isinstance(module, module_type):
-                return None, {"op_kind": kind, "module_type": type(module).__name__}
+                return None, {"op_kind": kind, "module_type": type(module).__name__,
+                              "unsupported": reason.format(module_type=type(module).__name__)}
         return None, {"op_kind": None, "module_type": type(module).__name__}
     if node.op in ("call_function", "call_method") and is_matmul(node):
-        return None, {"op_kind": "matmul", "parameter_operand": False}
+        return None, {"op_kind": "matmul", "parameter_operand": False, "unsupported": NO_PARAMETER_OPERAND}
     if node.op == "call_function" and node.target in LINEAR_TARGETS + CONV2D_TARGETS:
         kind = "linear_fn" if node.target in LINEAR_TARGETS else "conv2d_fn"
-        return None, {"op_kind": kind, "parameter_operand": False}
+        return None, {"op_kind": kind, "parameter_operand": False, "unsupported": NO_PARAMETER_OPERAND}
     return None, {"op_kind": None}
 
 
-def handler_for(meta: dict) -> OpKind | None:
+def handler_for(node: torch.fx.Node) -> OpKind | None:
     """The handler of an annotated node (``None`` when no registered kind matched it: an
     activation @ activation matmul is ``op_kind="matmul"`` but not approximable)."""
-    return _REGISTRY.get(meta.get("op_kind")) if meta.get("approximable") else None
+    kind = kind_of(node)
+    return _REGISTRY.get(kind.op_kind) if kind.approximable else None
 
 
 __all__ = ["OP_KINDS", "OpKind", "conv2d_call_args", "handler_for", "kept_count", "linear_call_args", "match_node",

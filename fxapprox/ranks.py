@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import candidates_of, decision_of
 from fxapprox.plan import Plan
 
 __all__ = ["agreed_plan", "mean_over_ranks", "plan_of_rank_zero"]
@@ -49,12 +49,12 @@ def plan_of_rank_zero(gm, plan: Plan) -> Plan:
     nodes = {n.name: n for n in gm.graph.nodes}
     for decision in plan.layers:
         node = nodes.get(decision.node)
-        if node is None or "candidates" not in fx_meta(node):
+        if node is None or candidates_of(node) is None or decision_of(node) is None:
             continue
-        matching = [c for c in fx_meta(node)["candidates"]
-                    if (c["mode"], c["method"], c["k"]) == (decision.mode, decision.method, decision.k)]
-        fx_meta(node)["chosen"] = (matching[0] if matching else fx_meta(node).get("chosen")) \
-            if decision.approximate else None
+        matching = [c for c in candidates_of(node).candidates
+                    if (c.mode, c.method, c.k) == (decision.mode, decision.method, decision.k)]
+        planned = decision_of(node)
+        planned.chosen = (matching[0] if matching else planned.chosen) if decision.approximate else None
     return plan
 
 

@@ -1,6 +1,7 @@
 """Graph passes of fxapprox, installed as ``fxapprox.passes``.
 
-The pipeline, one file per stage, results in ``node.meta["fxapprox"]``:
+The pipeline, one file per stage; each pass writes a typed record under its own ``node.meta`` key
+(``fxapprox/records.py``):
 
 1. ``trace`` — capture the model (``ApproxTracer``; recurrent modules stay leaves), then
    ``training_flags`` — traced ``training=self.training`` arguments follow ``train()``/``eval()`` again

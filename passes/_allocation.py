@@ -1,23 +1,34 @@
 """Least-error allocation under a budget: the multiple-choice knapsack both measured policies solve.
 
-Each item (a layer, a saved value) has options — dicts with a ``saving`` (FLOPs or bytes, > 0) and a
-``contribution`` (its predicted squared error) — besides "leave it exact" at (0, 0). Each item's
-options are reduced to their lower convex hull; the hull steps of all items are taken in order of
-least error per unit saved (the greedy solution of the Lagrangian relaxation, optimal at the hull
-vertices) until ``needed`` is saved, skipping steps that would take the total past ``error_cap²``;
-last, each chosen item gets the least-error option of its own that still meets ``needed`` (the final
-step may overshoot).
+Each item (a layer, a saved value) has options — records (``fxapprox.records.Candidate``, a saved
+value's ``BitsOption``) with a ``saving`` (FLOPs or bytes, > 0) and a ``contribution`` (its predicted
+squared error) — besides "leave it exact" at (0, 0). Each item's options are reduced to their lower
+convex hull; the hull steps of all items are taken in order of least error per unit saved (the greedy
+solution of the Lagrangian relaxation, optimal at the hull vertices) until ``needed`` is saved, skipping
+steps that would take the total past ``error_cap²``; last, each chosen item gets the least-error option
+of its own that still meets ``needed`` (the final step may overshoot).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 _TOLERANCE = 1e-9
 
 
-def lower_hull(options: list[dict], x: str = "saving", y: str = "contribution") -> list[dict]:
+@dataclass(frozen=True)
+class Option:
+    """The least an option is: what it saves and the squared error it adds."""
+
+    saving: float
+    contribution: float
+
+
+def lower_hull(options: list, x: str = "saving", y: str = "contribution") -> list:
     """The options on the lower convex hull of (``x``, ``y``) from (0, 0), by ``x`` (options with ``x`` ≤ 0 left
     out)."""
-    points = sorted(((o[x], o[y], i) for i, o in enumerate(options) if o[x] is not None and o[x] > 0))
+    points = sorted(((getattr(o, x), getattr(o, y), i) for i, o in enumerate(options)
+                     if getattr(o, x) is not None and getattr(o, x) > 0))
     hull: list[tuple] = [(0, 0.0, None)]
     for point in points:
         if point[0] == hull[-1][0] and point[1] >= hull[-1][1]:
@@ -45,9 +56,9 @@ def least_error_allocation(items: list, options: dict, needed: float, error_cap:
 
     Example::
 
-        >>> opts = {"a": [{"saving": 10, "contribution": 1.0}], "b": [{"saving": 10, "contribution": 0.1}]}
+        >>> opts = {"a": [Option(saving=10, contribution=1.0)], "b": [Option(saving=10, contribution=0.1)]}
         >>> least_error_allocation(["a", "b"], opts, 10, None)[0]
-        {'b': {'saving': 10, 'contribution': 0.1}}
+        {'b': Option(saving=10, contribution=0.1)}
     """
     benefit, cost = rate
     steps = []
@@ -57,15 +68,15 @@ def least_error_allocation(items: list, options: dict, needed: float, error_cap:
         # Options past the cap on their own can never be taken: left out before the hull, so that a hull on
         # another rate does not hide an item's smaller, admissible options behind them.
         admissible = [o for o in options.get(item, []) if error_cap is None
-                      or o["contribution"] <= error_cap ** 2 + _TOLERANCE]
+                      or o.contribution <= error_cap ** 2 + _TOLERANCE]
         if len(admissible) < len(options.get(item, [])):
             refused.add(item)
         for depth, option in enumerate(lower_hull(admissible, benefit, cost)):
-            extra_saving, extra_error = option["saving"] - previous_saving, option["contribution"] - previous_error
-            key = (option[cost] - previous[1]) / (option[benefit] - previous[0])
+            extra_saving, extra_error = option.saving - previous_saving, option.contribution - previous_error
+            key = (getattr(option, cost) - previous[1]) / (getattr(option, benefit) - previous[0])
             steps.append((key, order, depth, item, option, extra_saving, extra_error))
-            previous, previous_saving, previous_error = (option[benefit], option[cost]), option["saving"], \
-                option["contribution"]
+            previous, previous_saving, previous_error = (getattr(option, benefit), getattr(option, cost)), \
+                option.saving, option.contribution
     steps.sort(key=lambda s: s[:3])
     chosen: dict = {}
     saved, total = 0.0, 0.0
@@ -93,12 +104,12 @@ def least_error_allocation(items: list, options: dict, needed: float, error_cap:
     # a lower-error option may cost it).
     for item in (reversed(list(chosen)) if objective is None else ()):
         current = chosen[item]
-        for option in sorted(options[item], key=lambda o: o["contribution"]):
-            if option["contribution"] >= current["contribution"]:
+        for option in sorted(options[item], key=lambda o: o.contribution):
+            if option.contribution >= current.contribution:
                 break
-            if saved - current["saving"] + option["saving"] >= needed - _TOLERANCE:
-                saved += option["saving"] - current["saving"]
-                total += option["contribution"] - current["contribution"]
+            if saved - current.saving + option.saving >= needed - _TOLERANCE:
+                saved += option.saving - current.saving
+                total += option.contribution - current.contribution
                 chosen[item] = option
                 break
     return chosen, saved, total, capped

@@ -19,7 +19,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxapprox.errors import AnalysisError
-from fxapprox.passes._meta import OUTSIDE_MODEL_KEY
+from fxapprox.records import OUTSIDE_MODEL_KEY
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 

@@ -17,7 +17,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxapprox._projection import projection_loss
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import write_norms
 
 __all__ = ["ErrorAccumulator", "UpstreamCapture", "call_node", "capture_upstream", "norm", "total_norm"]
 
@@ -94,7 +94,7 @@ def call_node(gm: torch.fx.GraphModule, node: torch.fx.Node, args, kwargs):
 
 def capture_upstream(gm: torch.fx.GraphModule, wanted: set, observed: set, example_inputs) -> UpstreamCapture:
     """Run ``gm`` once exactly and backward the projection loss (nothing is written into ``.grad``); record
-    every observed node's input, output and output-gradient norms in ``node.meta["fxapprox"]["norms"]``."""
+    every observed node's input, output and output-gradient norms (its ``ActivationNorms`` record)."""
     capture = UpstreamCapture(gm, wanted, observed)
     loss = projection_loss(capture.run(*example_inputs))
     parameters = [p for p in gm.parameters() if p.requires_grad]
@@ -103,8 +103,8 @@ def capture_upstream(gm: torch.fx.GraphModule, wanted: set, observed: set, examp
         torch.autograd.grad(loss, parameters, allow_unused=True)
     for node, norms in capture.norms.items():
         grad = capture.grads.get(node, {}).get(0)
-        fx_meta(node).setdefault("norms", {}).update(
-            input=norms["input"], output=norms["output"],
+        write_norms(
+            node, input=norms["input"], output=norms["output"],
             output_grad=grad if isinstance(grad, float) or grad is None else norm(grad))
     return capture
 

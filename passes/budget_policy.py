@@ -3,7 +3,7 @@
 ``budget`` is the fraction of the exact model's training-step FLOPs (forward +
 backward, as measured by the flops pass) the approximated model may spend.
 The policy reads what the candidates pass (and, for the measured policy, the
-measurement pass) wrote into ``node.meta["fxapprox"]`` and runs in four phases,
+measurement pass) wrote (each layer's :class:`~fxapprox.records.LayerCandidates`) and runs in four phases,
 one function each:
 
 1. :func:`_layers_and_totals` — the nodes the plan lists and the FLOP target;
@@ -33,6 +33,7 @@ policies are in :mod:`fxapprox.passes.fixed_ratio_policy`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -42,11 +43,13 @@ from fxapprox.config import ApproxConfig
 from fxapprox.op_kinds import handler_for
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.passes._allocation import least_error_allocation
-from fxapprox.passes._meta import fx_meta, train_flops
+from fxapprox.records import (CANDIDATES_KEY, DECISION_KEY, Candidate, PlannedLayer, candidates_of, kind_of,
+                              rank_of, saved_of, tensor_of, train_flops)
 from fxapprox.passes.candidates import enumerate_candidates, planned_layers
 from fxapprox.passes.graph_view import target_name
 from fxapprox.passes.error_model import one_draw_errors, output_layers, predicted_contribution, propagation_weights
 from fxapprox.passes.fixed_ratio_policy import flops_choices, uniform_choices
+from fxapprox.passes.interpolation import raise_last_ratio
 from fxapprox.passes.payoff import add_times, gain_model, predicted_cost, step_cost, time_saved
 from fxapprox.passes.policy_types import TOLERANCE as _TOLERANCE, Choice
 
@@ -61,15 +64,37 @@ def _layers_and_totals(gm: torch.fx.GraphModule, budget: float) -> tuple[list[to
     return layers, total, budget * total
 
 
-def _saving(node: torch.fx.Node, candidate: dict) -> int:
-    return train_flops(node) - candidate["flops"]
+def _saving(node: torch.fx.Node, candidate: Candidate) -> int:
+    return train_flops(node) - candidate.flops
 
 
 # -- phase 2: measured ---------------------------------------------------------------------------------------
-def _describe(candidate: dict) -> str:
-    speed = "" if candidate.get("speedup") is None else f", {candidate['speedup']:.2f}x faster"
-    return (f"{candidate['mode']} {candidate['method']} at keep {candidate['keep_ratio']:.2f} "
-            f"(predicted error {candidate['predicted_error']:.3f}{speed})")
+def _describe(candidate: Candidate) -> str:
+    speed = "" if candidate.speedup is None else f", {candidate.speedup:.2f}x faster"
+    return (f"{candidate.mode} {candidate.method} at keep {candidate.keep_ratio:.2f} "
+            f"(predicted error {candidate.predicted_error:.3f}{speed})")
+
+
+def _predicted(candidate: Candidate, node: torch.fx.Node, weights: dict, owners: int, heads: set,
+               config: ApproxConfig) -> Candidate:
+    """``candidate`` with its predicted contribution to the model-gradient error and its step cost."""
+    contribution = predicted_contribution(candidate.errors, weights.get(node.name, 0.0), owners, candidate.mode,
+                                          candidate.bias, candidate.noise, head=node.name in heads)
+    # The same with the noise of one draw counted whole: what one step's gradient shows (the guard).
+    step_contribution = predicted_contribution(one_draw_errors(candidate), weights.get(node.name, 0.0), owners,
+                                               candidate.mode, candidate.bias, candidate.noise,
+                                               head=node.name in heads)
+    predicted = dataclasses.replace(candidate, contribution=contribution, predicted_error=math.sqrt(contribution),
+                                    step_contribution=step_contribution)
+    return dataclasses.replace(predicted, step_cost=step_cost(predicted, config.backward_error_cost,
+                                                              config.forward_error_cost))
+
+
+def _write_candidates(node: torch.fx.Node, updated: dict[int, Candidate]) -> None:
+    """Record the policy's versions of ``node``'s candidates (a re-plan starts from them)."""
+    layer = candidates_of(node)
+    node.meta[CANDIDATES_KEY] = dataclasses.replace(
+        layer, candidates=tuple(updated.get(id(c), c) for c in layer.candidates))
 
 
 def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
@@ -79,42 +104,35 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
     usable: dict = {}
     pinned: dict = {}
     for node in layers:
-        meta = fx_meta(node)
-        if meta.get("blocker"):
-            choices[node] = Choice(None, meta["blocker"])
+        layer = candidates_of(node)
+        if layer.blocker:
+            choices[node] = Choice(None, layer.blocker)
             continue
-        measured = [c for c in meta.get("candidates", []) if c["blocked"] is None and "errors" in c]
-        for candidate in measured:
-            candidate["contribution"] = predicted_contribution(
-                candidate["errors"], weights.get(node.name, 0.0), owners, candidate["mode"], candidate.get("bias"),
-                candidate.get("noise"), head=node.name in heads)
-            candidate["predicted_error"] = math.sqrt(candidate["contribution"])
-            # The same with the noise of one draw counted whole: what one step's gradient shows (the guard).
-            candidate["step_contribution"] = predicted_contribution(
-                one_draw_errors(candidate), weights.get(node.name, 0.0), owners, candidate["mode"],
-                candidate.get("bias"), candidate.get("noise"), head=node.name in heads)
-            candidate["step_cost"] = step_cost(candidate, config.backward_error_cost, config.forward_error_cost)
+        predicted = {id(c): _predicted(c, node, weights, owners, heads, config) for c in layer.candidates
+                     if c.blocked is None and c.measured}
+        _write_candidates(node, predicted)
+        measured = list(predicted.values())
         fast = [c for c in measured if config.min_speedup is None or
-                (c.get("speedup") is not None and c["speedup"] >= config.min_speedup)]
-        if meta.get("pinned_ratio") is not None:
+                (c.speedup is not None and c.speedup >= config.min_speedup)]
+        if layer.pinned_ratio is not None:
             if measured:
-                best = min(fast or measured, key=lambda c: c["contribution"])
+                best = min(fast or measured, key=lambda c: c.contribution)
                 pinned[node] = best
-                choices[node] = Choice(best, f"keep-ratio pinned by override {meta['pinned_by']}: {_describe(best)}",
-                                        best["predicted_error"])
+                choices[node] = Choice(best, f"keep-ratio pinned by override {layer.pinned_by}: {_describe(best)}",
+                                        best.predicted_error)
             else:
-                choices[node] = Choice(None, f"keep-ratio {meta['pinned_ratio']:g} pinned by override "
-                                              f"{meta['pinned_by']}, but "
-                                        + _why_no_candidate(meta, measured, config))
+                choices[node] = Choice(None, f"keep-ratio {layer.pinned_ratio:g} pinned by override "
+                                              f"{layer.pinned_by}, but "
+                                        + _why_no_candidate(layer, measured, config))
             continue
         if not fast:
-            choices[node] = Choice(None, _why_no_candidate(meta, measured, config))
+            choices[node] = Choice(None, _why_no_candidate(layer, measured, config))
             continue
         usable[node] = fast
     fixed_saving = sum(_saving(n, c) for n, c in pinned.items())
-    fixed_error = sum(c["contribution"] for c in pinned.values())
-    fixed_step_error = sum(c["step_contribution"] for c in pinned.values())
-    fixed_cost = sum(c["step_cost"] for c in pinned.values())
+    fixed_error = sum(c.contribution for c in pinned.values())
+    fixed_step_error = sum(c.step_contribution for c in pinned.values())
+    fixed_cost = sum(c.step_cost for c in pinned.values())
     needed = max(0.0, total - target - fixed_saving)
     free = [n for n in layers if n in usable]
     cap = None
@@ -127,11 +145,13 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
                        capped=False)
         return choices
     for node in free:
-        exact_seconds = fx_meta(node).get("exact_seconds")
-        for candidate in usable[node]:
-            candidate["saving"] = _saving(node, candidate)
-            candidate["time_saving"] = None if exact_seconds is None or candidate.get("seconds") is None \
-                else exact_seconds - candidate["seconds"]
+        exact_seconds = candidates_of(node).exact_seconds
+        with_savings = {id(c): dataclasses.replace(c, saving=_saving(node, c), time_saving=None
+                                                   if exact_seconds is None or c.seconds is None
+                                                   else exact_seconds - c.seconds)
+                        for c in usable[node]}
+        usable[node] = list(with_savings.values())
+        _write_candidates(node, with_savings)
     fixed_time = time_saved(pinned)
     payoff = gain_model(gm, total, config)
     objective = None
@@ -146,15 +166,15 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
                                              + payoff.describe(seconds, flops_saved, cost))
             return value
     # With the pay-off model and timed candidates, walk towards the most time saved per extra step.
-    timed = objective is not None and all(c.get("time_saving") is not None for n in free for c in usable[n])
+    timed = objective is not None and all(c.time_saving is not None for n in free for c in usable[n])
     rate = ("time_saving", "step_cost") if timed else ("saving", "contribution")
     chosen, saved, squared, capped = least_error_allocation(free, usable, needed, cap, objective, rate)
     if chosen and saved > needed + _TOLERANCE:
-        squared += _raise_last_ratio(chosen, usable, saved - needed)
+        squared += raise_last_ratio(chosen, usable, saved - needed)
     # The same allocation without the tolerance: what meeting the budget would cost (for the note).
     uncapped, uncapped_saved, uncapped_squared, _ = least_error_allocation(free, usable, needed, None)
     if uncapped and uncapped_saved > needed + _TOLERANCE:
-        uncapped_squared += _raise_last_ratio(uncapped, usable, uncapped_saved - needed)
+        uncapped_squared += raise_last_ratio(uncapped, usable, uncapped_saved - needed)
     stopped_for_gain = False
     if payoff is not None and saved < needed - _TOLERANCE:
         # Stopped by the gain when the walk without it (same cap) saves more than the objective kept.
@@ -175,81 +195,35 @@ def _measured_choices(gm, layers, budget, total, target, config: ApproxConfig, s
                        predicted_steps=payoff.steps(fixed_cost + predicted_cost(chosen)))
         summary["predicted_gain"] = summary["predicted_speedup"] / summary["predicted_steps"]
     summary.update(squared_error=fixed_error + squared, capped=bool(capped), stopped_for_gain=stopped_for_gain,
-                   step_squared_error=fixed_step_error + sum(c["step_contribution"] for c in chosen.values()),
+                   step_squared_error=fixed_step_error + sum(c.step_contribution for c in chosen.values()),
                    uncapped_error=math.sqrt(fixed_error + uncapped_squared),
                    uncapped_reachable=uncapped_saved >= needed - _TOLERANCE)
     for node in free:
         candidate = chosen.get(node)
         if candidate is not None:
-            raised = ", keep-ratio raised so no more is cut than the budget needs" if candidate.get("interpolated") \
-                else ""
+            raised = ", keep-ratio raised so no more is cut than the budget needs" if candidate.interpolated else ""
             choices[node] = Choice(candidate, f"least error per FLOP saved: {_describe(candidate)}{raised}",
-                                    candidate["predicted_error"])
+                                    candidate.predicted_error)
         elif stopped_for_gain:
             choices[node] = Choice(None, "not sampled: more sampling is predicted to cost more training steps than "
                                           "it saves time (" + (summary.get("unpaid") or "gain past its peak") + ")")
         elif node in capped:
-            best = min(usable[node], key=lambda c: c["contribution"])
+            best = min(usable[node], key=lambda c: c.contribution)
             choices[node] = Choice(None, f"max_grad_error={config.max_grad_error:g} reached: its best candidate "
-                                          f"would add error {best['predicted_error']:.3f}")
+                                          f"would add error {best.predicted_error:.3f}")
         else:
             choices[node] = Choice(None, "not needed: layers with less error per FLOP saved meet the budget")
     return choices
 
 
-def _interpolate(low: dict, high: dict | None, weight: float, key: str):
-    """``low[key]`` moved ``weight`` of the way to ``high[key]`` (``high is None``: the exact op — 0 error,
-    speed-up 1); ``None`` when ``low`` has no value."""
-    if low.get(key) is None:
-        return None
-    if isinstance(low[key], dict):
-        return {name: _interpolate(low[key], None if high is None else high[key], weight, name) for name in low[key]}
-    target = (1.0 if key == "speedup" else 0.0) if high is None else high[key]
-    return None if target is None else low[key] + weight * (target - low[key])
-
-
-def _raise_last_ratio(chosen: dict, usable: dict, overshoot: float) -> float:
-    """Raise the keep-ratio of the layer taken last so the plan cuts no more FLOPs than the budget needs.
-
-    Between its grid point and the next one up (same mode and method, or the exact op) the FLOPs are exact
-    and the errors and speed-up are interpolated linearly in ``k``. Returns the change of the squared error.
-    """
-    node = list(chosen)[-1]
-    low = chosen[node]
-    meta = fx_meta(node)
-    n = low["n"]
-    above = [c for c in usable[node] if c["mode"] == low["mode"] and c["method"] == low["method"] and c["k"] > low["k"]]
-    high = min(above, key=lambda c: c["k"]) if above else None
-    k_high = high["k"] if high is not None else n
-    per_pair = low["saving"] / (n - low["k"]) if n > low["k"] else 0.0
-    if per_pair <= 0:
-        return 0.0
-    k = min(k_high - 1, low["k"] + math.floor(overshoot / per_pair + _TOLERANCE))
-    if k <= low["k"]:
-        return 0.0
-    weight = (k - low["k"]) / (k_high - low["k"])
-    raised = dict(low, k=k, keep_ratio=k / n, interpolated=True)
-    raised["flops"] = handler_for(meta).candidate_flops(meta, low["mode"], k / n)
-    raised["saving"] = train_flops(node) - raised["flops"]
-    for key in ("contribution", "step_contribution", "step_cost", "speedup", "errors", "bias", "noise"):
-        raised[key] = _interpolate(low, high, weight, key)
-    if low.get("time_saving") is not None:
-        high_saving = 0.0 if high is None else high.get("time_saving")
-        raised["time_saving"] = None if high_saving is None else \
-            low["time_saving"] + weight * (high_saving - low["time_saving"])
-    raised["predicted_error"] = math.sqrt(max(raised["contribution"], 0.0))
-    chosen[node] = raised
-    return raised["contribution"] - low["contribution"]
-
-
-def _why_no_candidate(meta: dict, measured: list, config: ApproxConfig) -> str:
-    candidates = meta.get("candidates", [])
+def _why_no_candidate(layer, measured: list, config: ApproxConfig) -> str:
+    candidates = layer.candidates
     if not candidates:
         return "no candidate on the keep-ratio grid keeps fewer pairs than it has"
     if not measured:
-        blocked = Counter(c["blocked"] for c in candidates if c["blocked"])
+        blocked = Counter(c.blocked for c in candidates if c.blocked)
         return "no candidate fits: " + "; ".join(reason for reason, _ in blocked.most_common(2))
-    speeds = [c["speedup"] for c in measured if c.get("speedup") is not None]
+    speeds = [c.speedup for c in measured if c.speedup is not None]
     best = max(speeds) if speeds else 0.0
     return f"no candidate measured faster than exact (best {best:.2f}x < min_speedup={config.min_speedup:g})"
 
@@ -259,36 +233,40 @@ _POLICIES = {"measured": _measured_choices, "flops": flops_choices, "uniform": u
 
 
 # -- phase 3 -------------------------------------------------------------------------------------------------
-def _public_candidate(candidate: dict) -> dict:
-    return {key: candidate.get(key) for key in ("method", "mode", "keep_ratio", "k", "n", "flops", "blocked",
-                                                "errors", "bias", "noise", "speedup", "seconds", "predicted_error")}
+def _public_candidate(candidate: Candidate) -> dict:
+    return {key: getattr(candidate, key) for key in ("method", "mode", "keep_ratio", "k", "n", "flops", "blocked",
+                                                     "errors", "bias", "noise", "speedup", "seconds",
+                                                     "predicted_error")}
 
 
 def decisions_for(gm, layers, choices: dict, config: ApproxConfig, measured: bool) -> list[LayerDecision]:
     decisions = []
     for node in layers:
-        meta = fx_meta(node)
+        kind = kind_of(node)
         choice = choices[node]
         candidate = choice.candidate
         exact = train_flops(node)
         approximate = candidate is not None
-        method = candidate["method"] if approximate else None
+        method = candidate.method if approximate else None
+        rank = rank_of(node)
+        layer = candidates_of(node)
         decision = LayerDecision(
-            node=node.name, target=target_name(node), op_kind=meta.get("op_kind"), shape=meta.get("shape"),
-            in_channels=meta.get("in_channels"), out_channels=meta.get("out_channels"), exact_flops=exact,
-            planned_flops=int(candidate["flops"]) if approximate else exact, approximate=approximate,
-            reason=choice.reason, method=method, mode=candidate["mode"] if approximate else None,
-            k=candidate["k"] if approximate else None, n=candidate["n"] if approximate else None,
-            random_share=config.random_share if approximate and method == "topk" and meta.get("op_kind") != "lstm"
+            node=node.name, target=target_name(node), op_kind=kind.op_kind, shape=tensor_of(node).shape,
+            in_channels=kind.in_channels, out_channels=kind.out_channels, exact_flops=exact,
+            planned_flops=int(candidate.flops) if approximate else exact, approximate=approximate,
+            reason=choice.reason, method=method, mode=candidate.mode if approximate else None,
+            k=candidate.k if approximate else None, n=candidate.n if approximate else None,
+            random_share=config.random_share if approximate and method == "topk" and handler_for(node).uses_random_share
             else 0.0,
-            rank=meta.get("rank"), saved_bytes=int(meta.get("saved_bytes", 0)),
+            rank=None if rank is None else rank.rank, saved_bytes=saved_of(node).bytes,
             predicted_error=(choice.predicted_error if approximate else 0.0) if measured else None,
-            measured_speedup=candidate.get("speedup") if approximate else None,
-            measured_errors=candidate.get("errors") if approximate else None,
+            measured_speedup=candidate.speedup if approximate else None,
+            measured_errors=candidate.errors if approximate else None,
             isolated_grad_error=one_draw_errors(candidate).get("weight_grad") if approximate and measured else None,
-            candidates=[_public_candidate(c) for c in meta.get("candidates", [])] if measured else [])
-        meta["plan"] = decision.to_dict()
-        meta["chosen"] = candidate   # the candidate itself (a re-plan starts from it; it may be interpolated)
+            candidates=[_public_candidate(c) for c in (layer.candidates if layer is not None else ())]
+            if measured else [])
+        # the candidate itself (a re-plan starts from it; it may be interpolated)
+        node.meta[DECISION_KEY] = PlannedLayer(decision, candidate)
         decisions.append(decision)
     return decisions
 
@@ -297,7 +275,8 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
                 config: ApproxConfig | None = None) -> Plan:
     """Make the plan for ``gm`` (analysed, ranked; measured for the measured policy) under ``budget``.
 
-    Writes each layer's decision to ``node.meta["fxapprox"]["plan"]`` and returns the :class:`Plan`.
+    Writes each layer's decision (a :class:`~fxapprox.records.PlannedLayer`) under ``node.meta[DECISION_KEY]`` and
+    returns the :class:`Plan`.
     Runs ``enumerate_candidates`` first when it has not run yet.
 
     Example::
@@ -313,7 +292,7 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float, method: str,
                          'ApproxConfig(policy="measured") and a min_gain (not None)')
     fraction = 0.0 if auto else budget
     layers, total, target = _layers_and_totals(gm, fraction)
-    if any("candidates" not in fx_meta(n) for n in layers):
+    if any(candidates_of(n) is None for n in layers):
         enumerate_candidates(gm, method, config)
     summary: dict = {"method": method}
     choices = _POLICIES[config.policy](gm, layers, fraction, total, target, config, summary)

@@ -1,8 +1,8 @@
 """Pass 4a — candidates: which layers can be approximated, and how.
 
 A pure graph pass over analysed nodes (FLOPs, shapes and channels known). For
-every node that does FLOPs or is of a recognised layer kind it writes into
-``node.meta["fxapprox"]``:
+every node that does FLOPs or is of a recognised layer kind it writes a
+:class:`~fxapprox.records.LayerCandidates` under ``node.meta[CANDIDATES_KEY]``:
 
 * ``blocker`` — why the node stays exact whatever the budget (no approximate
   version of the op, grouped conv, fewer than ``min_channels`` pairs, shared
@@ -11,10 +11,11 @@ every node that does FLOPs or is of a recognised layer kind it writes into
   ``method=`` argument, the config's ``mode``, a matching override, and what the
   op kind offers);
 * ``pinned_ratio`` — a keep-ratio fixed by an override;
-* ``candidates`` — for the measured policy: one dict per (method, mode,
-  keep-ratio) on ``config.keep_ratios`` with its planned training FLOPs, or the
-  reason it does not fit this node (``blocked``). The measurement pass
-  (``measure_candidates``) adds the measured errors and speed to each.
+* ``candidates`` — for the measured policy: one frozen
+  :class:`~fxapprox.records.Candidate` per (method, mode, keep-ratio) on
+  ``config.keep_ratios`` with its planned training FLOPs, or the reason it does
+  not fit this node (``blocked``). The measurement pass (``measure_candidates``)
+  writes them again with their measured errors and speed.
 
 The kind-specific parts (blockers, offered modes, FLOPs of a candidate) come from
 the op-kind registry (``fxapprox/op_kinds.py``).
@@ -28,7 +29,7 @@ import torch.fx
 
 from fxapprox.config import AUTO_METHODS, ApproxConfig
 from fxapprox.op_kinds import handler_for, kept_count
-from fxapprox.passes._meta import fx_meta, train_flops
+from fxapprox.records import CANDIDATES_KEY, EAGER_REASON_KEY, Candidate, LayerCandidates, kind_of, train_flops
 from fxapprox.passes.graph_view import target_name
 
 __all__ = ["enumerate_candidates", "layer_names", "parameterised", "planned_layers"]
@@ -62,36 +63,31 @@ def layer_names(node: torch.fx.Node) -> tuple[str, ...]:
 def planned_layers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The nodes a plan lists: every compute node that does FLOPs or is of a recognised layer kind."""
     return [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")
-            and (train_flops(n) > 0 or fx_meta(n).get("op_kind") is not None)]
+            and (train_flops(n) > 0 or kind_of(n).op_kind is not None)]
 
 
 def _module(gm: torch.fx.GraphModule, node: torch.fx.Node):
     return gm.get_submodule(node.target) if node.op == "call_module" else None
 
 
-def _blocker(gm: torch.fx.GraphModule, node: torch.fx.Node, meta: dict, config: ApproxConfig,
-             calls: Counter) -> str | None:
+def _blocker(gm: torch.fx.GraphModule, node: torch.fx.Node, config: ApproxConfig, calls: Counter) -> str | None:
     """Why ``node`` cannot be approximated at all, or ``None`` when it can."""
-    handler = handler_for(meta)
-    kind = meta.get("op_kind")
-    if meta.get("eager_reason"):
-        return f"runs eagerly, exact (torch.fx could not trace it: {meta['eager_reason']})"
+    handler = handler_for(node)
+    kind = kind_of(node)
+    if node.meta.get(EAGER_REASON_KEY):
+        return f"runs eagerly, exact (torch.fx could not trace it: {node.meta[EAGER_REASON_KEY]})"
     if handler is None:
-        if kind in ("gru", "rnn"):
-            return f"recurrent layer ({meta.get('module_type')}): no sparse-backward version yet"
-        if kind in ("linear_fn", "conv2d_fn", "matmul"):
-            return "no parameter operand (both operands are activations)"
-        if kind is not None:
-            return f"{meta.get('module_type', kind)}: only Linear, Conv2d, LSTM, linear, conv2d and matmul are sampled"
+        if kind.unsupported is not None:
+            return kind.unsupported
         if node.op == "call_module":
-            return f"opaque leaf module ({meta.get('module_type')}): its inside is not traced"
+            return f"opaque leaf module ({kind.module_type}): its inside is not traced"
         return f"{target_name(node)}: no sampled version of this op"
-    reason = handler.blocker(gm, node, meta)
+    reason = handler.blocker(gm, node)
     if reason is not None:
         return reason
     if node.op == "call_module" and calls[node.target] > 1:
         return f"module called at {calls[node.target]} places: a shared module stays exact"
-    n = meta.get("reduction_size") or 0
+    n = kind.reduction_size or 0
     if n < config.min_channels:
         return f"reduces over {n} channels < min_channels={config.min_channels}"
     if train_flops(node) == 0:
@@ -100,27 +96,25 @@ def _blocker(gm: torch.fx.GraphModule, node: torch.fx.Node, meta: dict, config: 
 
 
 def enumerate_candidates(gm: torch.fx.GraphModule, method: str, config: ApproxConfig) -> torch.fx.GraphModule:
-    """Write ``blocker``, ``allowed_*``, ``pinned_ratio`` and ``candidates`` for every planned layer.
+    """Write each planned layer's :class:`~fxapprox.records.LayerCandidates`.
 
     Example::
 
         >>> enumerate_candidates(gm, "topk", ApproxConfig())
-        >>> [c["mode"] for c in gm.graph.find_nodes(op="call_module", target="fc")[0].meta["fxapprox"]["candidates"]]
+        >>> [c.mode for c in candidates_of(gm.graph.find_nodes(op="call_module", target="fc")[0]).candidates]
         ['forward', 'forward', 'forward', 'backward', ...]
     """
     nodes = list(gm.graph.nodes)
     calls = Counter(n.target for n in nodes if n.op == "call_module")
     for node in planned_layers(gm):
-        meta = fx_meta(node)
-        meta.update(blocker=None, allowed_methods=[], allowed_modes=[], pinned_ratio=None, candidates=[])
-        blocker = _blocker(gm, node, meta, config, calls)
+        blocker = _blocker(gm, node, config, calls)
         override = config.override_for(layer_names(node), _module(gm, node))
         if blocker is None and override is not None and override.exclude:
             blocker = f"excluded by override {override.describe()}"
         if blocker is not None:
-            meta["blocker"] = blocker
+            node.meta[CANDIDATES_KEY] = LayerCandidates(blocker=blocker)
             continue
-        handler = handler_for(meta)
+        handler = handler_for(node)
         chosen_method = override.method if override is not None and override.method else method
         mode = override.mode if override is not None and override.mode else config.mode
         modes = [m for m in ((mode,) if mode is not None else config.candidate_modes) if m in handler.modes]
@@ -132,14 +126,9 @@ def enumerate_candidates(gm: torch.fx.GraphModule, method: str, config: ApproxCo
             if handler.methods is not None:
                 methods = [m for m in methods if m in handler.methods] or list(handler.methods)
             return methods
-        meta["allowed_methods"] = sorted({m for mode_name in modes for m in methods_for(mode_name)})
-        meta["requested_method"] = chosen_method
-        meta["allowed_modes"] = modes
-        if override is not None and override.keep_ratio is not None:
-            meta["pinned_ratio"] = override.keep_ratio
-            meta["pinned_by"] = override.describe()
-        n = meta["reduction_size"]
-        ratios = (override.keep_ratio,) if meta["pinned_ratio"] is not None else config.keep_ratios
+        pinned = override is not None and override.keep_ratio is not None
+        n = kind_of(node).reduction_size
+        ratios = (override.keep_ratio,) if pinned else config.keep_ratios
         candidates = []
         for mode_name in modes:
             for candidate_method in methods_for(mode_name):
@@ -148,9 +137,13 @@ def enumerate_candidates(gm: torch.fx.GraphModule, method: str, config: ApproxCo
                     if k >= n:
                         continue
                     keep = k / n
-                    candidates.append({
-                        "method": candidate_method, "mode": mode_name, "keep_ratio": keep, "k": k, "n": n,
-                        "flops": handler.candidate_flops(meta, mode_name, keep),
-                        "blocked": handler.mode_blocker(meta, mode_name, keep, config.min_k, config.min_channels)})
-        meta["candidates"] = candidates
+                    candidates.append(Candidate(
+                        method=candidate_method, mode=mode_name, keep_ratio=keep, k=k, n=n,
+                        flops=handler.candidate_flops(node, mode_name, keep),
+                        blocked=handler.mode_blocker(node, mode_name, keep, config.min_k, config.min_channels)))
+        node.meta[CANDIDATES_KEY] = LayerCandidates(
+            allowed_methods=tuple(sorted({m for mode_name in modes for m in methods_for(mode_name)})),
+            allowed_modes=tuple(modes), requested_method=chosen_method,
+            pinned_ratio=override.keep_ratio if pinned else None, pinned_by=override.describe() if pinned else None,
+            candidates=tuple(candidates))
     return gm

@@ -1,9 +1,10 @@
 """Pass 2d — layer kinds and channels: what each node computes and over how many pairs.
 
-A pure graph pass (no execution). For every node it writes ``op_kind`` (the
-name of its registered :class:`fxapprox.op_kinds.OpKind` — ``"linear"``,
-``"conv2d"``, ``"matmul"``, ``"lstm"``, … — a recognised kind without an
-approximate version such as ``"gru"``, or ``None``), ``in_channels``,
+A pure graph pass (no execution). For every node it writes a
+:class:`~fxapprox.records.LayerKind` under ``node.meta[KIND_KEY]``:
+``op_kind`` (the name of its registered :class:`fxapprox.op_kinds.OpKind` —
+``"linear"``, ``"conv2d"``, ``"matmul"``, ``"lstm"``, … — a recognised kind
+without an approximate version such as ``"gru"``, or ``None``), ``in_channels``,
 ``out_channels``, ``groups``, ``reduction_size`` (the number of column-row
 pairs a sampled version chooses from) and, for functional ops,
 ``parameter_operand`` / ``parameter_side``. Matching is the registry's: see
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch.fx
 
 from fxapprox.op_kinds import conv2d_call_args, match_node
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import KIND_KEY, LayerKind
 
 __all__ = ["annotate_channels", "conv2d_call_args"]
 
@@ -26,12 +27,11 @@ def annotate_channels(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     Example::
 
         >>> annotate_channels(gm)
-        >>> gm.graph.find_nodes(op="call_module", target="fc")[0].meta["fxapprox"]["op_kind"]
+        >>> kind_of(gm.graph.find_nodes(op="call_module", target="fc")[0]).op_kind
         'linear'
     """
     for node in gm.graph.nodes:
         _, info = match_node(gm, node) if node.op in ("call_module", "call_function", "call_method") else \
             (None, {"op_kind": None})
-        info.setdefault("approximable", False)
-        fx_meta(node).update(info)
+        node.meta[KIND_KEY] = LayerKind.from_match(info)
     return gm

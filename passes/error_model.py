@@ -46,7 +46,7 @@ import torch
 import torch.fx
 
 from fxapprox.op_kinds import handler_for
-from fxapprox.passes._meta import UPSTREAM_OUTSIDE_KEY, fx_meta
+from fxapprox.records import UPSTREAM_OUTSIDE_KEY, ActivationNorms, Candidate, norms_of
 from fxapprox.passes.candidates import parameterised
 from fxapprox.passes.graph_view import to_networkx
 
@@ -83,17 +83,17 @@ def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str,
     inputs, ``min(1, (‖dX_node‖ / ‖dY_owner‖)²)`` (norms from the measurement pass; 1 when unknown).
     ``nodes``: the nodes to weigh (default: every approximable layer).
     """
-    graph = to_networkx(gm)
-    owners = {n.name: fx_meta(n).get("norms", {}) for n in gm.graph.nodes if parameterised(gm, n)}
+    graph = to_networkx(gm, records=False)
+    owners = {n.name: norms_of(n) or ActivationNorms() for n in gm.graph.nodes if parameterised(gm, n)}
     # a region's input in a stitched planning graph comes from code outside the graph that has parameters
     # upstream: it counts as one owner of unknown norm (the conservative share, 1)
     reached = owners.keys() | {n.name for n in gm.graph.nodes if n.meta.get(UPSTREAM_OUTSIDE_KEY)}
     weights: dict[str, float] = {}
     if nodes is None:
-        nodes = [n for n in gm.graph.nodes if handler_for(fx_meta(n)) is not None]
+        nodes = [n for n in gm.graph.nodes if handler_for(n) is not None]
     for node in nodes:
-        handler = handler_for(fx_meta(node))
-        norms = fx_meta(node).get("norms", {})
+        handler = handler_for(node)
+        norms = norms_of(node) or ActivationNorms()
         if handler is not None:
             weight_positions = set(handler.gradient_operands(gm, node)[0])
         else:   # any other node: its parameter operands are its weights
@@ -102,7 +102,7 @@ def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str,
         sources = [a.name for i, a in enumerate(node.args)
                    if isinstance(a, torch.fx.Node) and i not in weight_positions]
         sources += [a.name for a in node.kwargs.values() if isinstance(a, torch.fx.Node)]
-        weights[node.name] = sum(_share(norms.get("input_grad"), owners[a].get("output_grad")) if a in owners
+        weights[node.name] = sum(_share(norms.input_grad, owners[a].output_grad) if a in owners
                                  else 1.0 for a in _nearest_owners(graph, sources, reached))
     return weights, max(1, len(owners))
 
@@ -138,10 +138,10 @@ def predicted_contribution(errors: dict, input_weight: float, owners: int, mode:
     return (errors.get("weight_grad", 0.0) ** 2 + input_weight * errors.get("input_grad", 0.0) ** 2) / owners
 
 
-def one_draw_errors(candidate: dict) -> dict:
+def one_draw_errors(candidate: Candidate) -> dict:
     """A measured candidate's errors in one draw, ``sqrt(bias² + noise²)`` per quantity (its ``errors`` average the
     noise over ``noise_horizon`` steps)."""
-    bias, noise = candidate.get("bias"), candidate.get("noise")
+    bias, noise = candidate.bias, candidate.noise
     if bias is None or noise is None:
-        return dict(candidate.get("errors") or {})
+        return dict(candidate.errors or {})
     return {name: math.hypot(bias.get(name, 0.0), noise.get(name, 0.0)) for name in bias}

@@ -3,7 +3,7 @@
 Uses ``torch.utils.flop_counter.FlopCounterMode`` on each node in isolation
 (see ``passes/_isolation.py``), so the backward FLOPs reflect which gradients
 really exist (no input gradient for the stem conv, for instance). Writes
-``flops_fwd`` and ``flops_bwd`` into ``node.meta["fxapprox"]``.
+a :class:`~fxapprox.records.FlopCount` under ``node.meta[FLOPS_KEY]``.
 
 ``FlopCounterMode`` has no formula for the oneDNN and cuDNN LSTM kernels that
 ``nn.LSTM`` runs on CPU and CUDA, nor for the oneDNN linear (``mkldnn._linear_pointwise``), nor for the CPU
@@ -21,7 +21,7 @@ import torch.fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
 from fxapprox.passes._isolation import NodeIsolationInterpreter, run_backward
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import FLOPS_KEY, FlopCount
 
 # cuDNN/oneDNN RNN modes: RNN_RELU, RNN_TANH, LSTM, GRU.
 _GATES_BY_MODE = {0: 1, 1: 1, 2: 4, 3: 3}
@@ -132,9 +132,8 @@ class FlopCountInterpreter(NodeIsolationInterpreter):
             outputs = run()
         with FlopCounterMode(display=False) as backward_counter:
             run_backward(outputs, grad_inputs)
-        meta = fx_meta(node)
-        meta["flops_fwd"] = int(forward_counter.get_total_flops())
-        meta["flops_bwd"] = int(backward_counter.get_total_flops())
+        node.meta[FLOPS_KEY] = FlopCount(int(forward_counter.get_total_flops()),
+                                         int(backward_counter.get_total_flops()))
 
 
 def count_flops(gm: torch.fx.GraphModule, *example_inputs, progress: bool = False) -> torch.fx.GraphModule:
@@ -143,11 +142,9 @@ def count_flops(gm: torch.fx.GraphModule, *example_inputs, progress: bool = Fals
     Example::
 
         >>> count_flops(gm, torch.randn(8, 3, 64, 64))
-        >>> sum(n.meta["fxapprox"].get("flops_fwd", 0) for n in gm.graph.nodes)
+        >>> sum(flops_of(n).forward for n in gm.graph.nodes)
     """
     for node in gm.graph.nodes:
-        meta = fx_meta(node)
-        meta["flops_fwd"] = 0
-        meta["flops_bwd"] = 0
+        node.meta[FLOPS_KEY] = FlopCount()
     FlopCountInterpreter(gm, progress=progress).run(*example_inputs)
     return gm

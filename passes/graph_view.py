@@ -1,7 +1,7 @@
 """A ``networkx.DiGraph`` view of a ``GraphModule`` for analyses and export.
 
 Nodes are keyed by fx node name and carry ``op``, ``target`` and a copy of
-``node.meta["fxapprox"]``; an edge ``u → v`` means ``v`` consumes ``u``.
+its fxapprox records (``fxapprox.records.node_summary``); an edge ``u → v`` means ``v`` consumes ``u``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx
 
-from fxapprox.passes._meta import META_KEY
+from fxapprox.records import node_summary
 
 
 def target_name(node: torch.fx.Node) -> str:
@@ -26,8 +26,8 @@ def target_name(node: torch.fx.Node) -> str:
     return f"{module}.{name}" if module else name
 
 
-def to_networkx(gm: torch.fx.GraphModule) -> nx.DiGraph:
-    """The graph as a ``networkx.DiGraph``.
+def to_networkx(gm: torch.fx.GraphModule, records: bool = True) -> nx.DiGraph:
+    """The graph as a ``networkx.DiGraph`` (``records=False``: the structure only, no ``fxapprox`` attribute).
 
     Example::
 
@@ -38,7 +38,7 @@ def to_networkx(gm: torch.fx.GraphModule) -> nx.DiGraph:
     graph = nx.DiGraph(name=type(gm).__name__)
     for index, node in enumerate(gm.graph.nodes):
         graph.add_node(node.name, op=node.op, target=target_name(node), index=index,
-                       fxapprox=dict(node.meta.get(META_KEY, {})))
+                       **({"fxapprox": node_summary(node)} if records else {}))
     for node in gm.graph.nodes:
         for user in node.users:
             graph.add_edge(node.name, user.name)

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch.fx
 
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import saved_of
 from fxapprox.plan import Plan
 
 
@@ -32,7 +32,7 @@ def _root(by_name: dict[str, torch.fx.Node], name: str) -> str:
     seen = set()
     while name not in seen:
         seen.add(name)
-        alias = fx_meta(by_name[name]).get("alias_of") if name in by_name else None
+        alias = saved_of(by_name[name]).alias_of if name in by_name else None
         if alias is None:
             return name
         name = alias
@@ -66,10 +66,10 @@ def plan_input_saving(gm: torch.fx.GraphModule, plan: Plan) -> Plan:
         'gathered'
     """
     by_name = {node.name: node for node in gm.graph.nodes}
-    sampled = {d.node: d for d in plan.approximated if d.mode == "forward" and d.op_kind != "lstm"}
+    sampled = {d.node: d for d in plan.approximated if d.mode == "forward"}
     savers: dict[str, set[str]] = defaultdict(set)        # root value → nodes that save it
     for node in gm.graph.nodes:
-        for source in fx_meta(node).get("saved_from", {}):
+        for source in saved_of(node).saved_from:
             savers[_root(by_name, source)].add(node.name)
     choices = {name: _choice(by_name[name], by_name, savers, sampled) for name in sampled}
     layers = tuple(dataclasses.replace(d, save_input=choices[d.node][0], save_input_reason=choices[d.node][1])

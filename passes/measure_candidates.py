@@ -23,15 +23,17 @@ For each layer that has candidates (see ``passes/candidates.py``):
    ``measure_repeats``. Layers of the same kind, shapes and settings share their
    timings (a ResNet's repeated blocks are timed once), not their errors.
 
-Writes ``errors`` (effective), ``bias``, ``noise``, ``seconds`` and ``speedup`` into each candidate dict,
-``exact_seconds`` into the node's meta, and ``norms`` (of input, output, output gradient and, for
-layers with candidates, input gradient) into the meta of every parameterised node: the policy
+Writes each layer's candidates again with their ``errors`` (effective), ``bias``, ``noise``, ``seconds`` and
+``speedup``, and the exact op's ``exact_seconds`` (its :class:`~fxapprox.records.LayerCandidates`), and the
+norms (of input, output, output gradient and, for layers with candidates, input gradient) of every
+parameterised node (its :class:`~fxapprox.records.ActivationNorms`): the policy
 uses them to predict how far an error travels. With timing on, the exact model's whole forward + backward
 is timed too (``gm.meta[EXACT_STEP_KEY]``): the step the layers' time savings are a part of.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -44,7 +46,7 @@ from fxapprox.modules import SamplingSpec
 from fxapprox.op_kinds import handler_for
 from fxapprox.ops.lstm import LSTMBackward
 from fxapprox.errors import AnalysisError
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import CANDIDATES_KEY, Candidate, candidates_of, kind_of, write_norms
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
 from fxapprox.passes.candidates import parameterised
 
@@ -62,7 +64,7 @@ class _Runner:
     def __init__(self, gm: torch.fx.GraphModule, node: torch.fx.Node, inputs, grads: dict) -> None:
         self.gm, self.node = gm, node
         self.args, self.kwargs = inputs
-        handler = handler_for(fx_meta(node))
+        handler = handler_for(node)
         weight_positions, weight_names = handler.gradient_operands(gm, node)
         self.weight_positions = set(weight_positions)
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
@@ -118,29 +120,29 @@ def _timing_key(gm, node, args, kwargs) -> tuple:
             return ("tensor", tuple(value.shape), str(value.dtype), value.requires_grad)
         return repr(value)
     module = repr(gm.get_submodule(node.target)) if node.op == "call_module" else repr(node.target)
-    return (fx_meta(node).get("op_kind"), module, tuple(describe(a) for a in args),
+    return (kind_of(node).op_kind, module, tuple(describe(a) for a in args),
             tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
 
 
 def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, lstm: LSTMBackward) -> None:
-    meta = fx_meta(node)
-    handler = handler_for(meta)
-    candidates = [c for c in meta["candidates"] if c["blocked"] is None]
+    layer = candidates_of(node)
+    handler = handler_for(node)
+    candidates = [c for c in layer.candidates if c.blocked is None]
     runner = _Runner(gm, node, inputs, grads)
     timed = config.min_speedup is not None
     key = _timing_key(gm, node, *inputs) if timed else None
     shared = timings.get(key) if timed else None
     fns = []
     for candidate in candidates:
-        spec = SamplingSpec(method=candidate["method"], k=candidate["k"], n=candidate["n"], mode=candidate["mode"],
-                            random_share=config.random_share if candidate["method"] == "topk" else 0.0)
+        spec = SamplingSpec(method=candidate.method, k=candidate.k, n=candidate.n, mode=candidate.mode,
+                            random_share=config.random_share if candidate.method == "topk" else 0.0)
         fns.append(handler.approximate_call(gm, node, spec, lstm))
 
     def exact_fn(*args, **kwargs):
         return call_node(gm, node, args, kwargs)
 
     first = runner.run(exact_fn)
-    meta.setdefault("norms", {})["input_grad"] = total_norm(first[2])
+    write_norms(node, input_grad=total_norm(first[2]))
     accumulators = [ErrorAccumulator(first[1:]) for _ in candidates]
     exact_times: list[float] = []
     times: list[list[float]] = [[] for _ in candidates]
@@ -158,28 +160,32 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
             # A candidate clearly slower than min_speedup after the first timed round is not timed further
             # (its one timed run stands): it will not be used, and timing it again costs planning time.
             active = {i for i in active if exact_times[0] / times[i][0] >= config.min_speedup / _CLEARLY_SLOWER}
+    measured: dict[int, Candidate] = {}
     for index, (candidate, fn) in enumerate(zip(candidates, fns)):
-        draws = 1 if candidate["method"] in _DETERMINISTIC else config.error_draws
+        draws = 1 if candidate.method in _DETERMINISTIC else config.error_draws
         while accumulators[index].runs < draws:
             accumulators[index].add(runner.run(fn)[1:])
-        candidate["errors"], candidate["bias"], candidate["noise"] = accumulators[index].errors(
-            config.noise_horizon)
-    if not timed:
-        meta["exact_seconds"] = None
-        for candidate in candidates:
-            candidate["seconds"] = candidate["speedup"] = None
-        return
-    if shared is None:
-        exact_s = statistics.median(exact_times)
-        shared = {"exact": exact_s, "candidates": {}}
-        for candidate, samples in zip(candidates, times):
-            shared["candidates"][_candidate_key(candidate)] = statistics.median(samples)
-        timings[key] = shared
-    meta["exact_seconds"] = shared["exact"]
-    for candidate in candidates:
-        seconds = shared["candidates"].get(_candidate_key(candidate))
-        candidate["seconds"] = seconds
-        candidate["speedup"] = shared["exact"] / seconds if seconds else None
+        errors, bias, noise = accumulators[index].errors(config.noise_horizon)
+        measured[index] = dataclasses.replace(candidate, errors=errors, bias=bias, noise=noise)
+    exact_seconds = None
+    if timed:
+        if shared is None:
+            exact_s = statistics.median(exact_times)
+            shared = {"exact": exact_s, "candidates": {}}
+            for candidate, samples in zip(candidates, times):
+                shared["candidates"][_candidate_key(candidate)] = statistics.median(samples)
+            timings[key] = shared
+        exact_seconds = shared["exact"]
+        for index, candidate in measured.items():
+            seconds = shared["candidates"].get(_candidate_key(candidate))
+            measured[index] = dataclasses.replace(candidate, seconds=seconds,
+                                                  speedup=shared["exact"] / seconds if seconds else None)
+    else:
+        measured = {i: dataclasses.replace(c, seconds=None, speedup=None) for i, c in measured.items()}
+    unblocked = iter(measured[i] for i in range(len(candidates)))
+    node.meta[CANDIDATES_KEY] = dataclasses.replace(
+        layer, exact_seconds=exact_seconds,
+        candidates=tuple(next(unblocked) if c.blocked is None else c for c in layer.candidates))
 
 
 #: where the exact training step's measured seconds go (``gm.meta``): the policy's whole-step speed model
@@ -212,8 +218,8 @@ def time_exact_step(gm: torch.fx.GraphModule, example_inputs: tuple, repeats: in
     return time_step(gm, lambda: gm.forward(*example_inputs), repeats)   # not gm(): an ApproxGraphModule plans on call
 
 
-def _candidate_key(candidate: dict) -> tuple:
-    return (candidate["method"], candidate["mode"], candidate["k"], candidate["n"])
+def _candidate_key(candidate: Candidate) -> tuple:
+    return (candidate.method, candidate.mode, candidate.k, candidate.n)
 
 
 def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: ApproxConfig | None = None,
@@ -227,12 +233,12 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
 
         >>> enumerate_candidates(gm, "topk", config)
         >>> measure_candidates(gm, x, config=config)
-        >>> fc = gm.graph.find_nodes(op="call_module", target="fc")[0].meta["fxapprox"]
-        >>> fc["candidates"][0]["errors"], fc["candidates"][0]["speedup"]
+        >>> fc = candidates_of(gm.graph.find_nodes(op="call_module", target="fc")[0])
+        >>> fc.candidates[0].errors, fc.candidates[0].speedup
     """
     config = config or ApproxConfig()
     wanted = {n for n in gm.graph.nodes
-              if any(c.get("blocked") is None for c in fx_meta(n).get("candidates", ()))}
+              if candidates_of(n) is not None and any(c.blocked is None for c in candidates_of(n).candidates)}
     if not wanted:
         return gm
     torch.manual_seed(0)   # the draws, and so the plan, are the same on every run of the same model and batch

@@ -12,7 +12,7 @@ of the compute policy. As in GACT, the other widths follow from the quantisation
 the error is proportional to it, so the contribution at ``b`` bits is the 4-bit one times
 ``((2⁴ − 1) / (2ᵇ − 1))²`` (``benchmarks/bench_planner.py`` measures all three widths on a
 2-block char transformer: measured / extrapolated was 0.58–1.42 over its 22 values).
-Written to ``node.meta["fxapprox"]["bit_errors"]`` of the value's root node:
+Written to ``node.meta[BIT_ERRORS_KEY]`` of the value's root node:
 ``{bits: {"contribution": ..., "savers": {saver: {...}}}}``.
 
 The quantised copy is made when autograd unpacks the saved tensor, so a saver that saves
@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxapprox.config import ApproxConfig
 from fxapprox.ops.quantize import FLOAT_DTYPES, quantize
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import BIT_ERRORS_KEY, write_norms
 from fxapprox.passes.error_model import predicted_contribution, propagation_weights
 from fxapprox.passes.candidates import parameterised
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
@@ -161,7 +161,7 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
     Example::
 
         >>> measure_saved_values(gm, x, values={"relu": ({"relu"}, {"conv2"}, True, [])}, config=ApproxConfig())
-        >>> gm.graph.find_nodes(op="call_function", target=torch.relu)[0].meta["fxapprox"]["bit_errors"][4]
+        >>> gm.graph.find_nodes(op="call_function", target=torch.relu)[0].meta[BIT_ERRORS_KEY][4]
     """
     if not values:
         return gm
@@ -176,7 +176,7 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
     runners = {node: _SaverRunner(gm, node, capture.inputs[node], capture.grads.get(node, {})) for node in savers}
     exact = {node: runner.run(set(), None, config, False) for node, runner in runners.items()}
     for node, (_, input_grads, _) in exact.items():
-        fx_meta(node).setdefault("norms", {})["input_grad"] = total_norm(input_grads)
+        write_norms(node, input_grad=total_norm(input_grads))
     weights, owners = propagation_weights(gm, savers)
     from rich.progress import Progress
 
@@ -204,7 +204,7 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
                 key = saver_name if rebuild is None else f"{saver_name} (rebuilt {next(iter(rebuild[0]))})"
                 per_saver[key] = {"errors": errors, "bias": bias, "noise": noise}
                 contribution += predicted_contribution(errors, weights.get(saver_name, 0.0), owners)
-            fx_meta(by_name[name])["bit_errors"] = {
+            by_name[name].meta[BIT_ERRORS_KEY] = {
                 bits: {"contribution": contribution * step_ratio(bits) ** 2,
                        "savers": per_saver if bits == MEASURED_BITS else {}} for bits in SAVED_BITS}
             bar.advance(task)

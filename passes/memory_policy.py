@@ -51,13 +51,21 @@ from torch import nn
 from fxapprox.config import ApproxConfig
 from fxapprox.plan import MemoryPlan, SavedValueDecision
 from fxapprox.passes._allocation import least_error_allocation
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import BIT_ERRORS_KEY, EAGER_SAVED_KEY, saved_of
 from fxapprox.recompute import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES
 from fxapprox.passes.measure_saved import SAVED_BITS
-from fxapprox.passes.saved_values import (EAGER_SAVED_KEY, SavedValue, dtype_bits, is_relu, mib,
-                                          saved_values)
+from fxapprox.passes.saved_values import SavedValue, dtype_bits, is_relu, mib, saved_values
 
 _RECIPE_NAMES = {function: name for name, function in RECOMPUTABLE_FUNCTIONS.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BitsOption:
+    """A saved value at ``bits``: the bytes it saves and the squared gradient error it adds (measured)."""
+
+    bits: int
+    saving: int
+    contribution: float
 
 
 
@@ -105,7 +113,7 @@ def _recomputed(gm: torch.fx.GraphModule, values: dict[str, SavedValue], config:
         found = recipe_of(gm, value.root, linear)
         if found is None or value.derived or _eligibility(value, config) is not None:
             continue
-        if any(fx_meta(m).get("inplace") for m in value.members[1:]):
+        if any(saved_of(m).inplace for m in value.members[1:]):
             continue
         # Savers must read the value itself, not a view of it: the measurement rebuilds the whole value.
         if not all(saver == name or value.root in by_name[saver].all_input_nodes for saver in value.savers):
@@ -138,7 +146,7 @@ def _floor_note(value: SavedValue, bits: int) -> str:
 
 def _sign_exact(gm: torch.fx.GraphModule, value: SavedValue) -> bool:
     """The tensor's last writer is a ReLU (views do not write; in-place ops do)."""
-    writers = [value.root] + [m for m in value.members[1:] if fx_meta(m).get("inplace")]
+    writers = [value.root] + [m for m in value.members[1:] if saved_of(m).inplace]
     return is_relu(gm, writers[-1])
 
 
@@ -248,7 +256,7 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     routed = set()
     errors: dict[str, float] = {}
     measured = config.activation_policy == "measured" and uniform_bits is None and all(
-        "bit_errors" in fx_meta(values[n].root) for n in candidates)
+        BIT_ERRORS_KEY in values[n].root.meta for n in candidates)
     if uniform_bits is not None:
         for name in candidates:
             routed.add(name)  # activation_bits=32 still routes them through the hooks (a test of the machinery)
@@ -257,17 +265,17 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     elif measured:
         options = {}
         for name in candidates:
-            value, measured_bits = values[name], fx_meta(values[name].root)["bit_errors"]
-            options[name] = [{"bits": b, "saving": value.exact_bytes - value.bytes_at(b, group),
-                              "contribution": measured_bits[b]["contribution"]}
+            value, measured_bits = values[name], values[name].root.meta[BIT_ERRORS_KEY]
+            options[name] = [BitsOption(b, value.exact_bytes - value.bytes_at(b, group),
+                                        measured_bits[b]["contribution"])
                              for b in SAVED_BITS if b < bits[name] and b >= value.min_bits]
         needed = max(0.0, planned_total() - memory_budget * exact_total)
         chosen, _, _, _ = least_error_allocation(candidates, options, needed, None)
         for name, option in chosen.items():
-            bits[name] = option["bits"]
-            errors[name] = option["contribution"]
-            reasons[name] = (f"{option['bits']}-bit copy: least gradient error per byte saved (predicted "
-                             f"{math.sqrt(option['contribution']):.3f})" + _floor_note(values[name], option["bits"]))
+            bits[name] = option.bits
+            errors[name] = option.contribution
+            reasons[name] = (f"{option.bits}-bit copy: least gradient error per byte saved (predicted "
+                             f"{math.sqrt(option.contribution):.3f})" + _floor_note(values[name], option.bits))
     else:
         target = memory_budget * exact_total
         total = planned_total()
@@ -306,7 +314,7 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
                    f"and {mib(planned_internal)} of temporaries stay as they are")
     predicted = math.sqrt(sum(errors.values())) if measured else None
     error_text = "" if predicted is None else f"; predicted model-gradient error {predicted:.3f}"
-    eager = sum(fx_meta(n).get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
+    eager = sum(n.meta.get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
     eager_text = f"; {mib(eager)} saved by eager code, kept exact" if eager else ""
     note = (f"saved activations: exact {mib(exact_total)}, planned {mib(planned)} "
             f"({planned / exact_total if exact_total else 1.0:.3f} of exact; {budget_text}{why_not}{error_text}"

@@ -34,17 +34,18 @@ import torch.fx
 from fxapprox.config import ApproxConfig
 from fxapprox.passes.error_model import one_draw_errors
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY
+from fxapprox.records import Candidate
 
 __all__ = ["GainModel", "add_times", "gain_model", "predicted_cost", "step_cost", "time_saved"]
 
 
-def step_cost(candidate: dict, backward_error_cost: float, forward_error_cost: float) -> float:
+def step_cost(candidate: Candidate, backward_error_cost: float, forward_error_cost: float) -> float:
     """A measured candidate's predicted extra steps (as a fraction of exact training's): its family's cost times
     its share of that family's squared error (``step_contribution`` for the backward family, the layer's own
     one-draw output error squared for the forward one)."""
-    if candidate["mode"] == "forward":
+    if candidate.mode == "forward":
         return forward_error_cost * one_draw_errors(candidate).get("output", 0.0) ** 2
-    return backward_error_cost * candidate.get("step_contribution", 0.0)
+    return backward_error_cost * (candidate.step_contribution or 0.0)
 
 
 @dataclass(frozen=True)
@@ -84,15 +85,15 @@ def time_saved(chosen: dict) -> float | None:
     """Seconds per step the chosen candidates save, measured (``None`` when one of them was not timed)."""
     total = 0.0
     for candidate in chosen.values():
-        if candidate.get("time_saving") is None:
+        if candidate.time_saving is None:
             return None
-        total += candidate["time_saving"]
+        total += candidate.time_saving
     return total
 
 
 def predicted_cost(chosen: dict) -> float:
     """The chosen candidates' predicted extra steps (``fxapprox.passes.payoff``)."""
-    return sum(c.get("step_cost", 0.0) for c in chosen.values())
+    return sum(c.step_cost or 0.0 for c in chosen.values())
 
 
 def gain_model(gm: torch.fx.GraphModule, total_flops: float, config: ApproxConfig) -> "GainModel | None":

@@ -16,7 +16,7 @@ import math
 import torch.fx
 
 from fxapprox.op_kinds import handler_for
-from fxapprox.passes._meta import fx_meta, train_flops
+from fxapprox.records import RANK_KEY, LayerRank, kind_of, train_flops
 
 
 def rank_layers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -25,15 +25,13 @@ def rank_layers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     Example::
 
         >>> ranked = rank_layers(gm)
-        >>> ranked[0].meta["fxapprox"]["rank"]
+        >>> rank_of(ranked[0]).rank
         1
     """
-    layers = [n for n in gm.graph.nodes if handler_for(fx_meta(n)) is not None]
-    for node in layers:
-        meta = fx_meta(node)
-        meta["rank_score"] = float(train_flops(node) * math.sqrt(meta.get("reduction_size") or 1))
+    layers = [n for n in gm.graph.nodes if handler_for(n) is not None]
+    scores = {node: float(train_flops(node) * math.sqrt(kind_of(node).reduction_size or 1)) for node in layers}
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
-    layers.sort(key=lambda n: (-fx_meta(n)["rank_score"], order[n]))
+    layers.sort(key=lambda n: (-scores[n], order[n]))
     for rank, node in enumerate(layers, start=1):
-        fx_meta(node)["rank"] = rank
+        node.meta[RANK_KEY] = LayerRank(rank, scores[node])
     return layers

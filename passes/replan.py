@@ -34,7 +34,7 @@ import torch.fx
 from fxapprox.config import ApproxConfig
 from fxapprox.plan import Plan
 from fxapprox.passes._allocation import least_error_allocation
-from fxapprox.passes._meta import fx_meta, train_flops
+from fxapprox.records import Candidate, candidates_of, chosen_of, train_flops
 from fxapprox.passes.budget_policy import _describe, assemble_plan, decisions_for
 from fxapprox.passes.payoff import gain_model, predicted_cost, time_saved
 from fxapprox.passes.error_model import one_draw_errors
@@ -44,8 +44,8 @@ from fxapprox.passes.candidates import planned_layers
 __all__ = ["Calibration", "calibration", "predicted_families", "replan"]
 
 
-def _forward(candidate: dict) -> bool:
-    return candidate["mode"] == "forward"
+def _forward(candidate: Candidate) -> bool:
+    return candidate.mode == "forward"
 
 
 def predicted_families(gm: torch.fx.GraphModule) -> dict:
@@ -54,8 +54,8 @@ def predicted_families(gm: torch.fx.GraphModule) -> dict:
     effective squared contributions (``backward``, ``forward``)."""
     totals = {"backward_step": 0.0, "output": 0.0, "backward": 0.0, "forward": 0.0}
     for node in gm.graph.nodes:
-        chosen = fx_meta(node).get("chosen")
-        if not chosen or "contribution" not in chosen:
+        chosen = chosen_of(node)
+        if chosen is None or chosen.contribution is None:
             continue
         if _forward(chosen):
             totals["forward"] += _raw(chosen, "contribution")
@@ -66,9 +66,13 @@ def predicted_families(gm: torch.fx.GraphModule) -> dict:
     return totals
 
 
-def _raw(candidate: dict, key: str) -> float:
+def _raw(candidate: Candidate, key: str) -> float:
     """A candidate's predicted contribution as planned (a re-plan's options carry calibrated ones beside it)."""
-    return candidate.get("raw_" + key, candidate.get(key, 0.0))
+    raw = getattr(candidate, "raw_" + key)
+    if raw is not None:
+        return raw
+    value = getattr(candidate, key)
+    return 0.0 if value is None else value
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class Calibration:
     forward: float
     output: float = 1.0
 
-    def scale(self, candidate: dict, key: str = "contribution") -> float:
+    def scale(self, candidate: Candidate, key: str = "contribution") -> float:
         if not _forward(candidate):
             return self.backward
         return self.output if key == "step_cost" else self.forward
@@ -119,42 +123,41 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
     by_name = {d.node: d for d in plan.layers}
     total = sum(train_flops(n) for n in gm.graph.nodes)
     payoff = gain_model(gm, total, config)
-    current = {n: fx_meta(n).get("chosen") for n in layers if by_name[n.name].approximate}
-    predicted_speedup = payoff.speedup(time_saved(current), sum(train_flops(n) - c["flops"]
+    current = {n: chosen_of(n) for n in layers if by_name[n.name].approximate}
+    predicted_speedup = payoff.speedup(time_saved(current), sum(train_flops(n) - c.flops
                                                                    for n, c in current.items())) if payoff else 1.0
     time_scale = 1.0
     if payoff is not None and predicted_speedup > 1.0 and measured_speedup > 0:
         time_scale = max(0.0, (1.0 - 1.0 / measured_speedup) / (1.0 - 1.0 / predicted_speedup))
     options: dict = {}
     for node, chosen in current.items():
-        saving = train_flops(node) - chosen["flops"]
+        saving = train_flops(node) - chosen.flops
         options[node] = []
-        for candidate in [chosen] + fx_meta(node).get("candidates", []):
-            if "contribution" not in candidate or candidate.get("blocked") is not None:
+        for candidate in [chosen] + list(candidates_of(node).candidates if candidates_of(node) else ()):
+            if candidate.contribution is None or candidate.blocked is not None:
                 continue
             if candidate is not chosen and config.min_speedup is not None and \
-                    (candidate.get("speedup") is None or candidate["speedup"] < config.min_speedup):
+                    (candidate.speedup is None or candidate.speedup < config.min_speedup):
                 continue   # as in the plan: only candidates measured faster than the exact op
-            if train_flops(node) - candidate["flops"] > saving + 0.5:
+            if train_flops(node) - candidate.flops > saving + 0.5:
                 continue   # a re-plan only takes approximation away
             scale = factors.scale(candidate)
-            option = dict(candidate, saving=train_flops(node) - candidate["flops"],
-                          raw_contribution=_raw(candidate, "contribution"),
-                          raw_step_contribution=_raw(candidate, "step_contribution"),
-                          contribution=_raw(candidate, "contribution") * scale,
-                          step_contribution=_raw(candidate, "step_contribution") * scale,
-                          raw_step_cost=_raw(candidate, "step_cost"),
-                          step_cost=_raw(candidate, "step_cost") * factors.scale(candidate, "step_cost"))
-            if candidate.get("time_saving") is not None:
-                option["time_saving"] = candidate["time_saving"] * time_scale
-            option["predicted_error"] = math.sqrt(option["contribution"])
-            options[node].append(option)
+            contribution = _raw(candidate, "contribution") * scale
+            options[node].append(dataclasses.replace(
+                candidate, saving=train_flops(node) - candidate.flops,
+                raw_contribution=_raw(candidate, "contribution"),
+                raw_step_contribution=_raw(candidate, "step_contribution"),
+                contribution=contribution, predicted_error=math.sqrt(contribution),
+                step_contribution=_raw(candidate, "step_contribution") * scale,
+                raw_step_cost=_raw(candidate, "step_cost"),
+                step_cost=_raw(candidate, "step_cost") * factors.scale(candidate, "step_cost"),
+                time_saving=None if candidate.time_saving is None else candidate.time_saving * time_scale))
     objective = None
     if payoff is not None:
         def objective(chosen, saved, squared):
             return payoff.gain(time_saved(chosen), saved, predicted_cost(chosen))
-    needed = sum(train_flops(n) - c["flops"] for n, c in current.items())
-    timed = objective is not None and all(o.get("time_saving") is not None for group in options.values()
+    needed = sum(train_flops(n) - c.flops for n, c in current.items())
+    timed = objective is not None and all(o.time_saving is not None for group in options.values()
                                           for o in group)
     rate = ("time_saving", "step_cost") if timed else ("saving", "contribution")
     chosen, saved, squared, _ = least_error_allocation(list(current), options, needed, config.max_grad_error,
@@ -168,9 +171,9 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
             choices[node] = Choice(None, decision.reason)
         elif node in chosen:
             option = chosen[node]
-            unchanged = (option["mode"], option["method"], option["k"]) == (decision.mode, decision.method, decision.k)
+            unchanged = (option.mode, option.method, option.k) == (decision.mode, decision.method, decision.k)
             reason = decision.reason if unchanged else f"re-planned at step {step} ({why}): {_describe(option)}"
-            choices[node] = Choice(option, reason, option["predicted_error"])
+            choices[node] = Choice(option, reason, option.predicted_error)
         else:
             choices[node] = Choice(None, f"re-planned at step {step} ({why}): exact")
     decisions = decisions_for(gm, layers, choices, config, measured=True)
@@ -180,7 +183,7 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
                  if d.approximate and d.mode == "forward" and previous[d.node].mode == "forward" else d
                  for d in decisions]
     summary = {"squared_error": squared,
-               "step_squared_error": sum(c["step_contribution"] for c in chosen.values())}
+               "step_squared_error": sum(c.step_contribution for c in chosen.values())}
     if payoff is not None:
         summary["predicted_speedup"] = payoff.speedup(time_saved(chosen), saved)
         summary["predicted_steps"] = payoff.steps(predicted_cost(chosen))

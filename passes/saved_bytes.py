@@ -2,7 +2,8 @@
 
 Runs each node in isolation under ``torch.autograd.graph.saved_tensors_hooks``
 and adds up the distinct tensors packed, leaving out parameters and buffers
-(they are stored anyway). Writes into ``node.meta["fxapprox"]``:
+(they are stored anyway). Writes a :class:`~fxapprox.records.SavedTensors`
+under ``node.meta[SAVED_KEY]``:
 
 * ``saved_bytes`` / ``saved_tensors`` — the node's own total (a tensor that
   feeds several nodes is counted at each of them: the per-layer view);
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxapprox.ops._derived import record_derivations
 from fxapprox.passes._isolation import NodeIsolationInterpreter
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import SAVED_KEY, SavedTensors
 from fxapprox.saved_tensors import state_storages, storage_ptr
 
 
@@ -108,15 +109,10 @@ class SavedBytesInterpreter(NodeIsolationInterpreter):
             if storage in inputs:
                 alias_of = inputs[storage][0]
                 inplace = inputs[storage][2]._version != inputs[storage][1]
-        meta = fx_meta(node)
-        meta["saved_bytes"] = int(sum(size for _, size, _ in packed.values()))
-        meta["saved_tensors"] = len(packed)
-        meta["saved_from"] = saved_from
-        meta["saved_derived"] = saved_derived
-        meta["saved_internal_bytes"] = internal
-        meta["saved_internal_bool_bytes"] = internal_bool
-        meta["alias_of"] = alias_of
-        meta["inplace"] = inplace
+        node.meta[SAVED_KEY] = SavedTensors(
+            bytes=int(sum(size for _, size, _ in packed.values())), tensors=len(packed), saved_from=saved_from,
+            saved_derived=saved_derived, internal_bytes=internal, internal_bool_bytes=internal_bool,
+            alias_of=alias_of, inplace=inplace)
 
 
 def measure_saved_bytes(gm: torch.fx.GraphModule, *example_inputs, progress: bool = False) -> torch.fx.GraphModule:
@@ -125,11 +121,9 @@ def measure_saved_bytes(gm: torch.fx.GraphModule, *example_inputs, progress: boo
     Example::
 
         >>> measure_saved_bytes(gm, torch.randn(8, 3, 64, 64))
-        >>> gm.graph.find_nodes(op="call_module", target="conv1")[0].meta["fxapprox"]["saved_bytes"]
+        >>> saved_of(gm.graph.find_nodes(op="call_module", target="conv1")[0]).bytes
     """
     for node in gm.graph.nodes:
-        meta = fx_meta(node)
-        meta.update(saved_bytes=0, saved_tensors=0, saved_from={}, saved_derived={}, saved_internal_bytes=0,
-                    saved_internal_bool_bytes=0, alias_of=None, inplace=False)
+        node.meta[SAVED_KEY] = SavedTensors()
     SavedBytesInterpreter(gm, progress=progress).run(*example_inputs)
     return gm

@@ -11,13 +11,11 @@ from torch import nn
 
 from fxapprox.ops.attention import attention_from_saved_inputs
 from fxapprox.ops.quantize import quantized_nbytes
-from fxapprox.passes._meta import SAME_TENSOR_KEY, fx_meta
+from fxapprox.records import EAGER_SAVED_KEY, SAME_TENSOR_KEY, saved_of
 
-__all__ = ["EAGER_SAVED_KEY", "EXPONENTIATING_SAVERS", "SavedValue", "dtype_bits", "is_relu", "mib",
+__all__ = ["EXPONENTIATING_SAVERS", "SavedValue", "dtype_bits", "is_relu", "mib",
            "saved_values"]
 
-#: ``node.meta["fxapprox"]`` key of an eager-code node: the bytes its code saves (kept exact)
-EAGER_SAVED_KEY = "eager_saved_bytes"
 #: savers whose backward exponentiates a product of their saved inputs, with the fewest bits those inputs keep.
 #: Attention's weights are ``softmax(q·kᵀ)``: a quantisation error in the scores is multiplied through ``exp``, and
 #: it grows as the model trains, which the example batch (at initialisation, near-uniform attention) does not
@@ -82,7 +80,7 @@ def saved_values(gm: torch.fx.GraphModule) -> tuple[dict[str, SavedValue], int, 
     root_of: dict[str, str] = {}
     values: dict[str, SavedValue] = {}
     for node in gm.graph.nodes:
-        alias = fx_meta(node).get("alias_of") or node.meta.get(SAME_TENSOR_KEY)
+        alias = saved_of(node).alias_of or node.meta.get(SAME_TENSOR_KEY)
         if alias is not None and alias in root_of:
             root_of[node.name] = root_of[alias]
             values[root_of[alias]].members.append(node)
@@ -91,8 +89,8 @@ def saved_values(gm: torch.fx.GraphModule) -> tuple[dict[str, SavedValue], int, 
             values[node.name] = SavedValue(node)
     internal = internal_bool = 0
     for node in gm.graph.nodes:
-        meta = fx_meta(node)
-        for source, size in meta.get("saved_from", {}).items():
+        saved = saved_of(node)
+        for source, size in saved.saved_from.items():
             value = values[root_of[source]]
             value.direct = max(value.direct, size)
             value.savers.add(node.name)
@@ -100,12 +98,12 @@ def saved_values(gm: torch.fx.GraphModule) -> tuple[dict[str, SavedValue], int, 
                 value.sign_only = False
             if node.target in EXPONENTIATING_SAVERS and root_of[node.name] != value.root.name:
                 value.min_bits, value.floor_saver = EXPONENTIATING_SAVERS[node.target], node.name
-        for source, size in meta.get("saved_derived", {}).items():
+        for source, size in saved.saved_derived.items():
             value = values[root_of[source]]
             value.derived += size
             value.savers.add(node.name)
             value.sign_only = False
         # eager code's saves (a hierarchically captured model, passes/eager_saved.py) stay as they are, too
-        internal += meta.get("saved_internal_bytes", 0) + meta.get(EAGER_SAVED_KEY, 0)
-        internal_bool += meta.get("saved_internal_bool_bytes", 0)
+        internal += saved.internal_bytes + node.meta.get(EAGER_SAVED_KEY, 0)
+        internal_bool += saved.internal_bool_bytes
     return {name: v for name, v in values.items() if v.exact_bytes}, internal, internal_bool

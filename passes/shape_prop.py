@@ -1,7 +1,7 @@
 """Pass 2a — shapes: ``torch.fx.passes.shape_prop.ShapeProp`` on the example inputs.
 
-Writes ``shape`` (a list, or a list of lists for multi-output nodes) and
-``dtype`` into ``node.meta["fxapprox"]``; torch's own ``tensor_meta`` stays too.
+Writes a :class:`~fxapprox.records.TensorSummary` (``shape``: a list, or a list of lists for
+multi-output nodes; ``dtype``) under ``node.meta[TENSOR_KEY]``; torch's own ``tensor_meta`` stays too.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
-from fxapprox.passes._meta import fx_meta
+from fxapprox.records import TENSOR_KEY, TensorSummary
 
 
 def _summarise(tensor_meta):
@@ -28,13 +28,11 @@ def propagate_shapes(gm: torch.fx.GraphModule, *example_inputs) -> torch.fx.Grap
     Example::
 
         >>> propagate_shapes(gm, torch.randn(2, 3, 32, 32))
-        >>> gm.graph.find_nodes(op="call_module", target="conv1")[0].meta["fxapprox"]["shape"]
+        >>> tensor_of(gm.graph.find_nodes(op="call_module", target="conv1")[0]).shape
         [2, 64, 16, 16]
     """
     ShapeProp(gm).propagate(*example_inputs)
     for node in gm.graph.nodes:
         shape, dtype = _summarise(node.meta.get("tensor_meta"))
-        meta = fx_meta(node)
-        meta["shape"] = shape
-        meta["dtype"] = dtype
+        node.meta[TENSOR_KEY] = TensorSummary(shape, dtype)
     return gm

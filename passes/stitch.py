@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxapprox._projection import projection_direction
 from fxapprox.graph_pickle import RecordedGraphModule
-from fxapprox.passes._meta import OUTSIDE_MODEL_KEY, SAME_TENSOR_KEY, UPSTREAM_OUTSIDE_KEY, fx_meta
+from fxapprox.records import EAGER_REASON_KEY, OUTSIDE_MODEL_KEY, SAME_TENSOR_KEY, UPSTREAM_OUTSIDE_KEY
 from fxapprox.passes.regions import Capture, RegionInputs, bind_placeholders
 from fxapprox.saved_activations import compress_saved
 
@@ -116,7 +116,7 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
             node = graph.call_function(EagerCode(region.path), ())
             node.name = graph._graph_namespace.create_name(f"eager_{prefix}", node)
             node.meta[REGION_KEY] = region.path
-            fx_meta(node)["eager_reason"] = region.reason
+            node.meta[EAGER_REASON_KEY] = region.reason
             continue
         received = inputs[region.path]
         if region.kind == "leaf":

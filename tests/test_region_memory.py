@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fxapprox
-from fxapprox.passes._meta import UPSTREAM_OUTSIDE_KEY
+from fxapprox.records import UPSTREAM_OUTSIDE_KEY
 from fxapprox.passes.error_model import propagation_weights
 from fxapprox.saved_activations import count_saved_bytes
 

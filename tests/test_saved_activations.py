@@ -12,6 +12,7 @@ from torch import nn
 import fxapprox
 from fxapprox import ApproxConfig
 from fxapprox.saved_activations import compress_saved, count_saved_bytes
+from fxapprox.records import saved_of
 
 
 class SmallCNN(nn.Module):
@@ -164,8 +165,8 @@ def test_composes_with_sampled_layers(batch):
     compressed = [v for v in approx.plan.memory.values if v.exact_bytes and v.compressed]
     assert compressed
     # The gathered columns a sampled layer saves are attributed to (and compressed with) their source.
-    derived = {node.name: node.meta["fxapprox"]["saved_derived"] for node in approx.graph.nodes
-               if node.meta.get("fxapprox", {}).get("saved_derived")}
+    derived = {node.name: saved_of(node).saved_derived for node in approx.graph.nodes
+               if saved_of(node).saved_derived}
     assert derived
     _, grads = _grads(approx, x, y)
     assert all(torch.isfinite(g).all() for g in grads.values())

@@ -5,6 +5,7 @@ from torch import nn
 
 from fxapprox.passes import (annotate_channels, count_flops, measure_saved_bytes, propagate_shapes,
                              rank_layers, to_networkx, trace)
+from fxapprox.records import flops_of, kind_of, saved_of, tensor_of
 
 
 class Net(nn.Module):
@@ -30,35 +31,35 @@ def _analysed(batch=2):
     propagate_shapes(gm, x)
     measure_saved_bytes(gm, x)
     annotate_channels(gm)
-    return gm, {n.name: n.meta["fxapprox"] for n in gm.graph.nodes}
+    return gm, {n.name: n for n in gm.graph.nodes}
 
 
 def test_shapes_and_channels():
     _, meta = _analysed()
-    assert meta["wide"]["shape"] == [2, 64, 8, 8] and meta["wide"]["dtype"] == "float32"
-    assert meta["wide"]["op_kind"] == "conv2d" and meta["wide"]["reduction_size"] == 16
-    assert meta["dw"]["groups"] == 16
-    assert meta["fc"]["in_channels"] == 64 and meta["fc"]["out_channels"] == 10
-    assert meta["matmul"]["op_kind"] == "matmul" and meta["matmul"]["parameter_side"] == "right"
-    assert meta["matmul"]["reduction_size"] == 10
+    assert tensor_of(meta["wide"]).shape == [2, 64, 8, 8] and tensor_of(meta["wide"]).dtype == "float32"
+    assert kind_of(meta["wide"]).op_kind == "conv2d" and kind_of(meta["wide"]).reduction_size == 16
+    assert kind_of(meta["dw"]).groups == 16
+    assert kind_of(meta["fc"]).in_channels == 64 and kind_of(meta["fc"]).out_channels == 10
+    assert kind_of(meta["matmul"]).op_kind == "matmul" and kind_of(meta["matmul"]).parameter_side == "right"
+    assert kind_of(meta["matmul"]).reduction_size == 10
 
 
 def test_flops_forward_and_backward_per_node():
     _, meta = _analysed(batch=2)
     # conv forward: 2 * N * Cout * H * W * Cin * kh * kw
-    assert meta["wide"]["flops_fwd"] == 2 * 2 * 64 * 8 * 8 * 16 * 9
-    assert meta["wide"]["flops_bwd"] == 2 * meta["wide"]["flops_fwd"]     # dX and dW
-    assert meta["stem"]["flops_bwd"] == meta["stem"]["flops_fwd"]         # no input gradient
-    assert meta["fc"]["flops_fwd"] == 2 * 2 * 64 * 10
-    assert meta["relu"]["flops_fwd"] == 0
+    assert flops_of(meta["wide"]).forward == 2 * 2 * 64 * 8 * 8 * 16 * 9
+    assert flops_of(meta["wide"]).backward == 2 * flops_of(meta["wide"]).forward     # dX and dW
+    assert flops_of(meta["stem"]).backward == flops_of(meta["stem"]).forward         # no input gradient
+    assert flops_of(meta["fc"]).forward == 2 * 2 * 64 * 10
+    assert flops_of(meta["relu"]).forward == 0
 
 
 def test_saved_bytes_exclude_parameters():
     _, meta = _analysed(batch=2)
     # Linear saves its input (2x64 fp32); the weight is a parameter, not an activation.
-    assert meta["fc"]["saved_bytes"] == 2 * 64 * 4
-    assert meta["matmul"]["saved_bytes"] == 2 * 10 * 4
-    assert meta["wide"]["saved_bytes"] == 2 * 16 * 8 * 8 * 4
+    assert saved_of(meta["fc"]).bytes == 2 * 64 * 4
+    assert saved_of(meta["matmul"]).bytes == 2 * 10 * 4
+    assert saved_of(meta["wide"]).bytes == 2 * 16 * 8 * 8 * 4
 
 
 def test_rank_prefers_expensive_wide_layers():
@@ -89,8 +90,8 @@ def test_lstm_flops_formula():
     count_flops(gm, torch.randn(3, 5, 8))
     node = next(n for n in gm.graph.nodes if n.target == "lstm")
     expected = 2 * 3 * 5 * 64 * (8 + 16)
-    assert node.meta["fxapprox"]["flops_fwd"] == expected
-    assert node.meta["fxapprox"]["flops_bwd"] == 2 * expected
+    assert flops_of(node).forward == expected
+    assert flops_of(node).backward == 2 * expected
 
 
 def test_sparse_lstm_flops_are_counted_and_shrink_with_the_keep_ratio():

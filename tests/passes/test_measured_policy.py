@@ -1,5 +1,6 @@
 """The measured policy: candidate errors and speed, least-error allocation, the tolerance, the op-kind registry."""
 
+import dataclasses
 import json
 import math
 
@@ -13,6 +14,7 @@ from fxapprox import ApproxConfig, LayerOverride, Plan
 from fxapprox.op_kinds import OP_KINDS, OpKind, register_op_kind
 from fxapprox.passes import (annotate_channels, count_flops, enumerate_candidates, measure_candidates,
                              propagate_shapes, trace)
+from fxapprox.records import CANDIDATES_KEY, candidates_of
 
 #: deterministic plans: no timing (min_speedup=None), no tolerance unless a test sets one
 MEASURED = dict(policy="measured", min_speedup=None, max_grad_error=None, min_gain=None)
@@ -53,23 +55,25 @@ def _analysed(model, x, method="topk", **config):
 
 
 def _candidates(gm, name):
-    return gm.graph.find_nodes(op="call_module", target=name)[0].meta["fxapprox"]["candidates"]
+    return candidates_of(gm.graph.find_nodes(op="call_module", target=name)[0]).candidates
 
 
 def test_error_is_zero_at_keep_ratio_one_and_grows_as_the_ratio_falls():
     torch.manual_seed(0)
     x = torch.randn(64, 64)
     gm, config = _analysed(MLP(), x, keep_ratios=(0.25, 0.5, 0.75))
-    candidates = _candidates(gm, "fc2")
-    full = dict(candidates[0], keep_ratio=1.0, k=128, n=128, blocked=None)   # k = n: the exact op
-    candidates.append(full)
+    node = gm.graph.find_nodes(op="call_module", target="fc2")[0]
+    layer = candidates_of(node)
+    full = dataclasses.replace(layer.candidates[0], keep_ratio=1.0, k=128, n=128, blocked=None)  # k = n: exact
+    node.meta[CANDIDATES_KEY] = dataclasses.replace(layer, candidates=layer.candidates + (full,))
     measure_candidates(gm, x, config=config)
-    assert full["errors"] == {"output": 0.0, "input_grad": 0.0, "weight_grad": 0.0}
+    candidates = _candidates(gm, "fc2")
+    assert candidates[-1].errors == {"output": 0.0, "input_grad": 0.0, "weight_grad": 0.0}
     for mode, quantity in (("forward", "output"), ("backward", "input_grad"), ("weight_grad", "weight_grad")):
-        errors = [c["errors"][quantity] for c in candidates if c["mode"] == mode and c["keep_ratio"] < 1]
+        errors = [c.errors[quantity] for c in candidates if c.mode == mode and c.keep_ratio < 1]
         assert len(errors) == 3 and errors[0] > errors[1] > errors[2] > 0, (mode, errors)
-    weight_grad = [c for c in candidates if c["mode"] == "weight_grad" and c["keep_ratio"] < 1]
-    assert all(c["errors"]["output"] == 0.0 and c["errors"]["input_grad"] == 0.0 for c in weight_grad)
+    weight_grad = [c for c in candidates if c.mode == "weight_grad" and c.keep_ratio < 1]
+    assert all(c.errors["output"] == 0.0 and c.errors["input_grad"] == 0.0 for c in weight_grad)
 
 
 def test_allocator_prefers_the_layer_whose_columns_are_skewed():
@@ -118,9 +122,9 @@ def test_narrow_outputs_block_input_gradient_sampling():
     torch.manual_seed(0)
     gm, _ = _analysed(MLP(), torch.randn(64, 64))
     head = _candidates(gm, "head")
-    backward = [c for c in head if c["mode"] == "backward"]
-    assert backward and all("over 10 outputs < min_channels=16" in c["blocked"] for c in backward)
-    assert all(c["blocked"] is None for c in head if c["mode"] == "weight_grad")
+    backward = [c for c in head if c.mode == "backward"]
+    assert backward and all("over 10 outputs < min_channels=16" in c.blocked for c in backward)
+    assert all(c.blocked is None for c in head if c.mode == "weight_grad")
 
 
 def test_head_forward_error_is_not_discounted():

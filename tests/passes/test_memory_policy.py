@@ -13,6 +13,7 @@ from fxapprox.passes.memory_policy import plan_memory
 from fxapprox.passes.saved_bytes import measure_saved_bytes
 from fxapprox.passes.shape_prop import propagate_shapes
 from fxapprox.saved_activations import compress_saved
+from fxapprox.records import BIT_ERRORS_KEY, saved_of
 
 
 class Block(nn.Module):
@@ -44,14 +45,14 @@ def _config(**kwargs):
 
 def test_saved_bytes_names_sources_and_aliases():
     gm = _analysed(Block(), torch.randn(2, 8, 16, 16))
-    nodes = {n.name: n.meta["fxapprox"] for n in gm.graph.nodes}
+    nodes = {n.name: saved_of(n) for n in gm.graph.nodes}
     value_bytes = 2 * 32 * 16 * 16 * 4
-    assert nodes["bn"]["saved_from"] == {"conv1": value_bytes}
-    assert nodes["relu"]["alias_of"] == "bn" and nodes["relu"]["inplace"]
-    assert nodes["relu"]["saved_from"] == {"bn": value_bytes}   # relu_ saves its result: bn's storage
-    assert nodes["conv2"]["saved_from"] == {"relu": value_bytes}
-    assert nodes["relu_1"]["saved_from"] == {"relu_1": value_bytes}  # its own output
-    assert nodes["bn"]["saved_internal_bytes"] > 0                   # batch statistics
+    assert nodes["bn"].saved_from == {"conv1": value_bytes}
+    assert nodes["relu"].alias_of == "bn" and nodes["relu"].inplace
+    assert nodes["relu"].saved_from == {"bn": value_bytes}   # relu_ saves its result: bn's storage
+    assert nodes["conv2"].saved_from == {"relu": value_bytes}
+    assert nodes["relu_1"].saved_from == {"relu_1": value_bytes}  # its own output
+    assert nodes["bn"].internal_bytes > 0                         # batch statistics
 
 
 def test_one_value_behind_in_place_aliases_and_a_sign_mask():
@@ -130,11 +131,11 @@ def test_compact_max_pool_rewrite_and_its_saved_bytes():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.MaxPool2d(3, 2, 1), nn.Flatten())
     x = torch.randn(2, 3, 16, 16)
     gm = _analysed(model, x)
-    before = next(n for n in gm.graph.nodes if n.target == "1").meta["fxapprox"]["saved_internal_bytes"]
+    before = saved_of(next(n for n in gm.graph.nodes if n.target == "1")).internal_bytes
     compact_max_pools(gm)
     pool = next(n for n in gm.graph.nodes if n.target is compact_max_pool2d)
     measure_saved_bytes(gm, x)
-    after = pool.meta["fxapprox"]["saved_internal_bytes"]
+    after = saved_of(pool).internal_bytes
     assert after * 8 == before  # int64 indices → uint8 offsets
     torch.testing.assert_close(gm(x), model(x))
 
@@ -194,7 +195,7 @@ def test_measured_widths_follow_each_value_s_gradient_cost():
     width = fxapprox.approximate(TwoInputs(), 1.0, memory_budget=0.1, example_inputs=(x, y),
                                  config=_config(activation_min_bytes=1024, activation_policy="width")).plan.memory
     assert width.predicted_error is None and all(v.predicted_error is None for v in width.values)
-    meta = {n.name: n.meta.get("fxapprox", {}).get("bit_errors") for n in
+    meta = {n.name: n.meta.get(BIT_ERRORS_KEY) for n in
             fxapprox.approximate(TwoInputs(), 1.0, memory_budget=0.1, example_inputs=(x, y),
                                  config=_config(activation_min_bytes=1024)).graph.nodes}
     assert meta[cheap][2]["contribution"] < meta[dear][2]["contribution"]

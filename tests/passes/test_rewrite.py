@@ -6,6 +6,7 @@ from torch import nn
 
 import fxapprox
 from fxapprox.modules import ApproxConv2d, ApproxFunctionalLinear, ApproxLinear, ApproxMatmul
+from fxapprox.records import decision_of, flops_of, kind_of
 
 
 class Mixed(nn.Module):
@@ -47,9 +48,9 @@ def test_node_meta_carries_the_plan():
     approx = fxapprox.approximate(Mixed(), 0.5, example_inputs=(torch.randn(4, 32, 6, 6),),
                                   config=fxapprox.ApproxConfig(policy="flops", min_channels=8))
     node = next(n for n in approx.graph.nodes if n.name == "fc")
-    meta = node.meta["fxapprox"]
-    assert meta["plan"]["approximate"] and meta["plan"]["k"] == approx.fc.fxapprox_spec.k
-    assert meta["flops_fwd"] > 0 and meta["op_kind"] == "linear"
+    decision = decision_of(node).decision
+    assert decision.approximate and decision.k == approx.fc.fxapprox_spec.k
+    assert flops_of(node).forward > 0 and kind_of(node).op_kind == "linear"
 
 
 def test_eval_and_exact_switch_equal_original_for_mixed_model():
