@@ -37,7 +37,8 @@ from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.ranks import agreed_plan
-from fxapprox.runtime import ApproxRuntime, _shapes, initial_state
+from fxapprox.model_state import ModelState
+from fxapprox.runtime import ApproxRuntime, _shapes
 from fxapprox.saved_activations import compress_saved, recompute_saved
 
 
@@ -50,7 +51,7 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
 
     def _fxapprox_setup(self, *, budget: float, memory_budget: float | None, method: str, config: ApproxConfig,
                         model_name: str) -> None:
-        self._fxapprox_state = initial_state(budget=budget, memory_budget=memory_budget, method=method,
+        self._fxapprox_state = ModelState(budget=budget, memory_budget=memory_budget, method=method,
                                              config=config, model_name=model_name)
 
     # -- planning ---------------------------------------------------------
@@ -69,27 +70,27 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
     def plan_from(self, *args, **kwargs) -> Plan:
         """Analyse, plan and rewrite using these inputs (done once; the first batch does it lazily)."""
         state = self._fxapprox_state
-        if state["plan"] is not None:
+        if state.plan is not None:
             raise RuntimeError("this module is already planned; call fxapprox.approximate again to re-plan")
         inputs = self._positional_inputs(args, kwargs)
-        config: ApproxConfig = state["config"]
+        config: ApproxConfig = state.config
         analyse(self, inputs, progress=config.progress)
         rank_layers(self)
-        enumerate_candidates(self, state["method"], config)
-        if config.policy == "measured" and (state["budget"] == AUTO_BUDGET or state["budget"] < 1.0):
+        enumerate_candidates(self, state.method, config)
+        if config.policy == "measured" and (state.budget == AUTO_BUDGET or state.budget < 1.0):
             with measurement_sandbox(self):
                 measure_candidates(self, *inputs, config=config, progress=config.progress)
-        plan = agreed_plan(self, plan_input_saving(self, plan_budget(self, state["budget"], state["method"], config)),
+        plan = agreed_plan(self, plan_input_saving(self, plan_budget(self, state.budget, state.method, config)),
                            state)
         untraced = tuple(u.to_dict() for u in self.meta.get(UNTRACED_KEY, ()))
         if untraced:
             plan = dataclasses.replace(plan, untraced=untraced)
         rewrite_sampled_ops(self, plan)
-        if memory_planned(state["memory_budget"], config):
+        if memory_planned(state.memory_budget, config):
             plan = plan_saved_activations(self, inputs, plan, state, config)
-        state["plan"] = plan
-        state["report"] = Report(plan, state["model_name"], _shapes(inputs), state["history"])
-        self.set_approximate(state["enabled"])
+        state.plan = plan
+        state.report = Report(plan, state.model_name, _shapes(inputs), state.history)
+        self.set_approximate(state.enabled)
         return plan
 
     def replan_memory(self, *args, **kwargs) -> Plan:
@@ -112,7 +113,7 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         if plan.memory is None:
             raise RuntimeError("replan_memory needs a memory plan: approximate the model with memory_budget < 1 "
                                "(activation_bits plans choose no widths)")
-        config: ApproxConfig = state["config"]
+        config: ApproxConfig = state.config
         inputs = self._positional_inputs(args, kwargs)
         markers = [n for n in self.graph.nodes if n.target in (compress_saved, recompute_saved)]
         modules = {arg for n in markers if n.target is recompute_saved for arg in n.args[2:3]
@@ -123,21 +124,21 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
             if not node.users:
                 self.graph.erase_node(node)
         self.recompile()
-        config = state["memory_config"]
+        config = state.memory_config
         with measurement_sandbox(self), as_in_compressed_training():
             if config.activation_policy == "measured" and config.activation_bits is None:
                 measure_saved_values(self, *inputs, values=memory_candidates(self, config), config=config,
                                      progress=config.progress)
-        memory_plan = plan_memory(self, state["memory_budget"], config)
+        memory_plan = plan_memory(self, state.memory_budget, config)
         rewrite_saved_activations(self, memory_plan)
         plan = dataclasses.replace(plan, memory=memory_plan)
-        state["plan"] = plan
-        state["report"] = Report(plan, state["model_name"], _shapes(inputs), state["history"])
-        state["replans"] = state.get("replans", 0) + 1
+        state.plan = plan
+        state.report = Report(plan, state.model_name, _shapes(inputs), state.history)
+        state.replans = state.replans + 1
         return plan
 
     def __deepcopy__(self, memo):
-        check = self._fxapprox_state.get("check")
+        check = self._fxapprox_state.check
         if check is not None:   # the check in flight holds the batch and hooks of this module's tensors
             memo[id(check)] = None
         result = super().__deepcopy__(memo)

@@ -38,7 +38,8 @@ from fxapprox.passes.stitch import EagerCode, install_regions, stitch, stitched_
 from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.ranks import agreed_plan
-from fxapprox.runtime import ApproxRuntime, _shapes, initial_state
+from fxapprox.model_state import ModelState
+from fxapprox.runtime import ApproxRuntime, _shapes
 
 __all__ = ["ApproxModel", "approximate_eager"]
 
@@ -46,10 +47,10 @@ __all__ = ["ApproxModel", "approximate_eager"]
 class ApproxModel(ApproxRuntime):
     """Mixed into the user's model class for a hierarchically captured model (see the module docstring)."""
 
-    _fxapprox_state: dict
+    _fxapprox_state: ModelState
 
     def _planning_module(self):
-        planning = self._fxapprox_state.get("planning")
+        planning = self._fxapprox_state.planning
         if planning is None:
             self.plan  # noqa: B018 — raises the explanatory error when not planned yet
         return planning
@@ -57,15 +58,15 @@ class ApproxModel(ApproxRuntime):
     def plan_from(self, *args, **kwargs) -> Plan:
         """Analyse, plan and rewrite the regions using these inputs (done once; the first batch does it lazily)."""
         state = self._fxapprox_state
-        if state["plan"] is not None:
+        if state.plan is not None:
             raise RuntimeError("this module is already planned; call fxapprox.approximate again to re-plan")
-        config: ApproxConfig = state["config"]
+        config: ApproxConfig = state.config
         with measurement_sandbox(self), self._exact_calls():
             received = record_calls(self, args, kwargs)
-            capture = capture_regions(self, Region.from_dict(state["root"]), received, config.leaf_modules)
+            capture = capture_regions(self, Region.from_dict(state.root), received, config.leaf_modules)
             forward_flops, step_flops = count_step_flops(self, args, kwargs)
             eager_saved = (count_eager_saved_bytes(self, capture, args, kwargs)
-                           if memory_planned(state["memory_budget"], config) else {})
+                           if memory_planned(state.memory_budget, config) else {})
         planning, inputs = stitch(self, capture, received)
         analyse(planning, inputs, progress=config.progress)
         for node in planning.graph.find_nodes(op="call_function", target=stitched_loss):   # not the model's
@@ -77,44 +78,44 @@ class ApproxModel(ApproxRuntime):
                 node.meta[FLOPS_KEY] = FlopCount(*eager_flops.get(node.target.path, (0, 0)))
                 node.meta[EAGER_SAVED_KEY] = eager_saved.get(node.target.path, 0)
         rank_layers(planning)
-        enumerate_candidates(planning, state["method"], config)
-        if config.policy == "measured" and (state["budget"] == AUTO_BUDGET or state["budget"] < 1.0):
+        enumerate_candidates(planning, state.method, config)
+        if config.policy == "measured" and (state.budget == AUTO_BUDGET or state.budget < 1.0):
             with measurement_sandbox(planning):
                 measure_candidates(planning, *inputs, config=config, progress=config.progress)
             if EXACT_STEP_KEY in planning.meta:   # the whole model's step, eager code included
                 with measurement_sandbox(self), self._exact_calls():
                     planning.meta[EXACT_STEP_KEY] = time_step(self, lambda: super(ApproxRuntime, self).__call__(
                         *args, **kwargs), config.measure_repeats)
-        plan = agreed_plan(planning, plan_input_saving(planning, plan_budget(planning, state["budget"], state["method"],
+        plan = agreed_plan(planning, plan_input_saving(planning, plan_budget(planning, state.budget, state.method,
                                                                              config)), state)
         plan = dataclasses.replace(plan, regions=tuple(r.to_dict() for r in capture.regions))
         rewrite_sampled_ops(planning, plan)
-        if memory_planned(state["memory_budget"], config):
+        if memory_planned(state.memory_budget, config):
             plan = plan_saved_activations(planning, inputs, plan, state, config)
         install_regions(self, planning, capture)
-        state["planning"] = planning
-        state["plan"] = plan
-        state["report"] = Report(plan, state["model_name"], _shapes(args) + _shapes(kwargs.values()),
-                                 state["history"])
-        self.set_approximate(state["enabled"])
+        state.planning = planning
+        state.plan = plan
+        state.report = Report(plan, state.model_name, _shapes(args) + _shapes(kwargs.values()),
+                                 state.history)
+        self.set_approximate(state.enabled)
         return plan
 
     @contextlib.contextmanager
     def _exact_calls(self):
         """Calls of the model run its own forward (no planning, no guard) while it is being planned."""
         state = self._fxapprox_state
-        state["in_reference"] = True
+        state.in_reference = True
         try:
             yield
         finally:
-            state["in_reference"] = False
+            state.in_reference = False
 
     def replan_memory(self, *args, **kwargs) -> Plan:
         raise NotImplementedError("replan_memory is not available on a hierarchically captured model (its regions' "
                                   "inputs would have to be recorded again): its memory plan is made once")
 
     def __deepcopy__(self, memo):
-        check = self._fxapprox_state.get("check")
+        check = self._fxapprox_state.check
         if check is not None:   # the check in flight holds the batch and hooks of this module's tensors
             memo[id(check)] = None
         body = {key: value for key, value in self.__dict__.items() if key != "_fxapprox_state"}
@@ -166,7 +167,6 @@ def approximate_eager(model: nn.Module, root_error: TraceError, *, budget, memor
     copied.__class__ = _approx_class(type(copied))
     root = Region("", "eager", type(model).__name__, root_error.reason or str(root_error).splitlines()[0],
                   root_error.source_line)
-    copied._fxapprox_state = {**initial_state(budget=budget, memory_budget=memory_budget, method=method,
-                                              config=config, model_name=model_name),
-                              "root": root.to_dict(), "planning": None}
+    copied._fxapprox_state = ModelState(budget=budget, memory_budget=memory_budget, method=method, config=config,
+                                        model_name=model_name, root=root.to_dict())
     return copied

@@ -257,10 +257,10 @@ class CheckStep:
 
     # -- the user's forward --------------------------------------------------------------------
     def run(self, call):
-        from fxapprox.ops._derived import local_setting
+        from fxapprox.ops.training_context import training_context
 
         start = self._clock()
-        with local_setting("isolate_draws", True):
+        with training_context(isolate_draws=True):
             output = call()
         self.forward_seconds = self._clock() - start
         leaves = tree_flatten(output)[0]
@@ -308,7 +308,7 @@ class CheckStep:
                       "approx_seconds": approx_seconds, "output_error": output_error})
 
     def _reference_gradients(self, keep_forward: bool) -> tuple[dict, float, float]:
-        from fxapprox.ops._derived import local_setting
+        from fxapprox.ops.training_context import training_context
 
         aliases = {n: p.detach().requires_grad_(True) for n, p in self.params.items()}
         buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
@@ -317,7 +317,7 @@ class CheckStep:
             torch.set_rng_state(self.cpu_rng)
             for device, state in zip(self.devices, self.cuda_rng):
                 torch.cuda.set_rng_state(state, device)
-            with _autocast(self.autocast), local_setting("isolate_draws", True):
+            with _autocast(self.autocast), training_context(isolate_draws=True):
                 output = self.reference(self.args, self.kwargs, aliases, keep_forward)
             leaves = tree_flatten(output)[0]
             index, approx_output = self.first_output

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from fxapprox.records import candidates_of, decision_of
+from fxapprox.model_state import ModelState
 from fxapprox.plan import Plan
 
 __all__ = ["agreed_plan", "mean_over_ranks", "plan_of_rank_zero"]
@@ -18,7 +19,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def agreed_plan(gm, plan: Plan, state: dict) -> Plan:
+def agreed_plan(gm, plan: Plan, state: ModelState) -> Plan:
     """Under ``torch.distributed``, the first plan every rank trains with: rank 0's, where every rank planned with
     the same budget, method and config. The measured policy times candidates on each rank, and timings differ from
     rank to rank; the plans must not (DDP's sampled AllReduce sums the same sampled rows on every rank). Ranks
@@ -28,7 +29,7 @@ def agreed_plan(gm, plan: Plan, state: dict) -> Plan:
 
     if not _distributed():
         return plan
-    settings = repr((state["budget"], state["method"], state["memory_budget"], state["config"].to_dict()))
+    settings = repr((state.budget, state.method, state.memory_budget, state.config.to_dict()))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, settings)
     if len(set(gathered)) > 1:

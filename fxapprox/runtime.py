@@ -21,6 +21,7 @@ from fxapprox.config import ApproxConfig
 from fxapprox.errors import PlanNotReadyError
 from fxapprox.guard import (CheckRecord, CheckStep, LayerCheck, TrainingHistory, alignment_and_cosine, gradient_errors,
                             owner_groups)
+from fxapprox.model_state import ModelState
 from fxapprox.modules import APPROX_MODULE_TYPES, SamplingSpec
 from fxapprox.passes.payoff import gain_model
 from fxapprox.passes.candidates import parameterised
@@ -44,13 +45,6 @@ def _shapes(values) -> list:
 
 
 
-def initial_state(*, budget, memory_budget, method: str, config: ApproxConfig, model_name: str) -> dict:
-    return {"budget": budget, "memory_budget": memory_budget, "method": method, "config": config,
-            "model_name": model_name, "plan": None, "report": None, "enabled": True, "saving": None,
-            "saved_stats": None, "training_steps": 0, "history": TrainingHistory(), "check": None,
-            "in_reference": False}
-
-
 class ApproxRuntime:
     """Mixin: the training-time behaviour and public surface of an approximated model (see the module docstring).
     The class it is mixed into provides ``plan_from(*args, **kwargs)`` and ``_fxapprox_state``."""
@@ -61,19 +55,19 @@ class ApproxRuntime:
 
     def __call__(self, *args, **kwargs):
         state = self._fxapprox_state
-        if state["plan"] is None and not state["in_reference"]:
+        if state.plan is None and not state.in_reference:
             self.plan_from(*args, **kwargs)
-        training = state["enabled"] and self.training and torch.is_grad_enabled()
-        if state["in_reference"] or not training:
+        training = state.enabled and self.training and torch.is_grad_enabled()
+        if state.in_reference or not training:
             return super().__call__(*args, **kwargs)
         if not torch.compiler.is_compiling():
             return self._training_call(args, kwargs)
-        if self._check_every() is not None and not state.get("warned_compile"):
-            state["warned_compile"] = True
+        if self._check_every() is not None and not state.warned_compile:
+            state.warned_compile = True
             warnings.warn("fxapprox: the guard (ApproxConfig(check_every=...)) does not run under torch.compile; "
                           "the compiled training step is not checked against exact gradients", RuntimeWarning,
                           stacklevel=2)
-        if state["saving"] is None:
+        if state.saving is None:
             return super().__call__(*args, **kwargs)
         warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward runs eagerly under "
                       "torch.compile (compressed activation saving is not compiled); the sampled ops of a "
@@ -83,21 +77,21 @@ class ApproxRuntime:
     def _begin_step(self, args, kwargs) -> int:
         """Count a training step; close a check whose backward never ran; re-plan the memory when due."""
         state = self._fxapprox_state
-        check = state["check"]
+        check = state.check
         if check is not None:
             check.cancel()
-            state["check"] = None
-        state["training_steps"] += 1
-        every = state["config"].activation_replan_every
-        if every and state["training_steps"] % every == 0 and state["memory_budget"] is not None \
-                and state["saving"] is not None:
+            state.check = None
+        state.training_steps += 1
+        every = state.config.activation_replan_every
+        if every and state.training_steps % every == 0 and state.memory_budget is not None \
+                and state.saving is not None:
             self.replan_memory(*args, **kwargs)
-        return state["training_steps"]
+        return state.training_steps
 
     def _training_call(self, args, kwargs):
         state = self._fxapprox_state
         step = self._begin_step(args, kwargs)
-        if state["saving"] is not None:
+        if state.saving is not None:
             def call():
                 return self._compressed_forward(args, kwargs)
         else:
@@ -110,7 +104,7 @@ class ApproxRuntime:
         backward = any(d.mode != "forward" for d in plan.approximated) or plan.memory is not None
         check = CheckStep(self, args, kwargs, self._reference_call, lambda measured: self._checked(step, measured),
                           replay=forward and backward)
-        state["check"] = check
+        state.check = check
         return check.run(call)
 
     @torch._dynamo.disable
@@ -123,14 +117,14 @@ class ApproxRuntime:
 
     def _compressed_forward(self, args, kwargs):
         state = self._fxapprox_state
-        with compressing_saved_tensors(state["saving"], self) as compressor:
+        with compressing_saved_tensors(state.saving, self) as compressor:
             output = super().__call__(*args, **kwargs)
-        state["saved_stats"] = compressor.stats()
+        state.saved_stats = compressor.stats()
         return output
 
     # -- the guard ------------------------------------------------------------------------------
     def _check_every(self) -> int | None:
-        return self._fxapprox_state["config"].check_every
+        return self._fxapprox_state.config.check_every
 
     def _check_due(self, step: int) -> bool:
         every = self._check_every()
@@ -149,11 +143,11 @@ class ApproxRuntime:
         for module in modules:
             module.fxapprox_enabled = module.fxapprox_enabled and keep_forward \
                 and module.fxapprox_spec.mode == "forward"
-        state["in_reference"] = True
+        state.in_reference = True
         try:
             return torch.func.functional_call(self, aliases, args, kwargs, strict=False)
         finally:
-            state["in_reference"] = False
+            state.in_reference = False
             for module, flag in zip(modules, flags):
                 module.fxapprox_enabled = flag
 
@@ -177,9 +171,9 @@ class ApproxRuntime:
         """Turn one check's gradients into a :class:`~fxapprox.guard.CheckRecord` and act on it: re-plan when
         the calibrated error passes the tolerance or the plan is no longer predicted to pay."""
         state = self._fxapprox_state
-        state["check"] = None
+        state.check = None
         plan = self.plan
-        config: ApproxConfig = state["config"]
+        config: ApproxConfig = state.config
         exact, approx, replay = measured["exact"], measured["approx"], measured["replay"]
         groups = owner_groups(exact)
         model_error, _ = gradient_errors(exact, approx, groups)
@@ -216,7 +210,7 @@ class ApproxRuntime:
                              exact_seconds=exact_seconds, approx_seconds=approx_seconds,
                              layers=tuple(layers), planned_flops=plan.achieved)
         record = self._act_on_check(record, factors)
-        state["history"].append(record)
+        state.history.append(record)
         if config.check_verbose:
             _console().print(record.line(), highlight=False)
 
@@ -224,14 +218,14 @@ class ApproxRuntime:
         """Re-plan when the check says the plan costs more than the tolerance or no longer pays; the record
         says what was done and why."""
         state = self._fxapprox_state
-        config: ApproxConfig = state["config"]
+        config: ApproxConfig = state.config
         plan = self.plan
         payoff = gain_model(self._planning_module(), plan.total_exact_flops, config)
         # Speed: the median of the measured speed-ups since the last re-plan (the first check's step may still pay
         # one-off costs: left out once there are others). Measured values only: under DDP they are the ranks'
         # mean, so every rank decides alike.
         since = []
-        for previous in state["history"].records:
+        for previous in state.history.records:
             since = [] if previous.action == "replanned" else since + [previous.speedup]
         speeds = (since[1:] if len(since) > 1 else since) + [record.speedup]
         speedup = statistics.median(speeds)
@@ -287,14 +281,14 @@ class ApproxRuntime:
                                                     save_input=decision.save_input or "reference")
             else:
                 module.fxapprox_spec = dataclasses.replace(spec, k=spec.n)
-        state["plan"] = plan
-        state["report"] = Report(plan, state["model_name"], state["report"].input_shapes, state["history"])
+        state.plan = plan
+        state.report = Report(plan, state.model_name, state.report.input_shapes, state.history)
 
     # -- public surface ---------------------------------------------------
     @property
     def plan(self) -> Plan:
         """The :class:`~fxapprox.plan.Plan` (available once planned)."""
-        plan = self._fxapprox_state["plan"]
+        plan = self._fxapprox_state.plan
         if plan is None:
             raise PlanNotReadyError(
                 "no plan yet: it is made on the first batch the module sees; run one forward pass "
@@ -305,7 +299,7 @@ class ApproxRuntime:
     def report(self) -> Report:
         """The rewrite :class:`~fxapprox.report.Report` (available once planned)."""
         self.plan  # noqa: B018 — raises the explanatory error when not planned yet
-        return self._fxapprox_state["report"]
+        return self._fxapprox_state.report
 
     @property
     def saved_activation_stats(self) -> SavedActivationStats | None:
@@ -316,7 +310,7 @@ class ApproxRuntime:
             >>> approx(x).sum().backward()
             >>> approx.saved_activation_stats.ratio     # e.g. 7.6 (times fewer bytes) at 4 bits
         """
-        return self._fxapprox_state["saved_stats"]
+        return self._fxapprox_state.saved_stats
 
     @property
     def history(self) -> TrainingHistory:
@@ -328,11 +322,11 @@ class ApproxRuntime:
             >>> approx.history[-1].model_error, approx.history[-1].speedup
             >>> json.dumps(approx.history.to_dict())
         """
-        return self._fxapprox_state["history"]
+        return self._fxapprox_state.history
 
     @property
     def planned(self) -> bool:
-        return self._fxapprox_state["plan"] is not None
+        return self._fxapprox_state.plan is not None
 
     def set_approximate(self, enabled: bool) -> "ApproxRuntime":
         """Switch approximation on (``True``) or off (``False``, exact training); returns ``self``.
@@ -343,12 +337,12 @@ class ApproxRuntime:
         """
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
-        self._fxapprox_state["enabled"] = enabled
+        self._fxapprox_state.enabled = enabled
         for module in self.modules():
             if isinstance(module, APPROX_MODULE_TYPES):
                 module.fxapprox_enabled = enabled
         return self
 
-    def _portable_state(self) -> dict:
+    def _portable_state(self) -> ModelState:
         """The state without the check in flight (its hooks belong to this module's tensors)."""
-        return {**self._fxapprox_state, "check": None, "in_reference": False}
+        return self._fxapprox_state.portable()

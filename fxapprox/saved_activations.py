@@ -35,8 +35,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
-from fxapprox.ops._derived import local as _local
-from fxapprox.ops._derived import note_derived, record_derivations
+from fxapprox.ops.training_context import current, note_derived, record_derivations, training_context
 from fxapprox.ops.quantize import FLOAT_DTYPES, QuantizedTensor, pack_mask, quantize
 from fxapprox.recompute import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES, RecomputedCopy
 from fxapprox.saved_tensors import count_saved_bytes, is_dense, memory_order, state_storages, storage_ptr, tensor_key
@@ -312,7 +311,7 @@ def _autocast_on() -> bool:
 
 
 def _current() -> SavedTensorCompressor | None:
-    return getattr(_local, "compressor", None)
+    return current().compressor
 
 
 def compress_saved(value, bits: int, sign_exact: bool = False) -> None:
@@ -362,20 +361,19 @@ def compressing_saved_tensors(options: SavingOptions, module: torch.nn.Module):
         raise RuntimeError("fxapprox: compressed activation saving does not nest (a compressing module inside "
                            "another); approximate the outer model only")
     compressor = SavedTensorCompressor(options, state_storages(module))
-    _local.compressor = compressor
     try:
-        if _autocast_on():
-            def pack(tensor):
-                with _without_cast_following():
-                    return compressor.pack(tensor)
+        with training_context(compressor=compressor):
+            if _autocast_on():
+                def pack(tensor):
+                    with _without_cast_following():
+                        return compressor.pack(tensor)
 
-            with saved_tensors_hooks(pack, compressor.unpack), _FollowAutocastCasts(compressor):
-                yield compressor
-        else:
-            with saved_tensors_hooks(compressor.pack, compressor.unpack):
-                yield compressor
+                with saved_tensors_hooks(pack, compressor.unpack), _FollowAutocastCasts(compressor):
+                    yield compressor
+            else:
+                with saved_tensors_hooks(compressor.pack, compressor.unpack):
+                    yield compressor
     finally:
-        _local.compressor = None
         compressor.close()
 
 

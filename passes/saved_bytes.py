@@ -10,7 +10,7 @@ under ``node.meta[SAVED_KEY]``:
 * ``saved_from`` — ``{value node name: bytes}``: which graph values the saved
   tensors are (an input of the node, or its own output, as ReLU saves its
   result); a copy a sampled op derives from an input (the gathered columns,
-  reported through ``fxapprox.ops._derived.note_derived``) is listed under
+  reported through ``fxapprox.ops.training_context.note_derived``) is listed under
   ``saved_derived`` for that input instead;
 * ``saved_internal_bytes`` — temporaries that are no graph value (BatchNorm's
   batch statistics, dropout masks; ``saved_internal_bool_bytes`` of them are
@@ -27,7 +27,7 @@ import torch.fx
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
-from fxapprox.ops._derived import record_derivations
+from fxapprox.ops.training_context import record_derivations
 from fxapprox.passes._isolation import NodeIsolationInterpreter
 from fxapprox.records import SAVED_KEY, SavedTensors
 from fxapprox.saved_tensors import state_storages, storage_ptr

@@ -76,7 +76,7 @@ def test_layer_past_the_tolerance_is_replanned_and_error_falls(mode):
     before = approx.plan
     assert before.approximated
     # Training turns out stricter than planning: the tolerance the checks hold the plan to is lowered.
-    approx._fxapprox_state["config"] = dataclasses.replace(config, max_grad_error=0.3)
+    approx._fxapprox_state.config = dataclasses.replace(config, max_grad_error=0.3)
     params = {name: id(p) for name, p in approx.named_parameters()}
     keys = list(approx.state_dict())
     optimizer = _train(approx, x, y, 2)

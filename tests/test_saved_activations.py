@@ -428,7 +428,7 @@ def test_replan_every_n_training_steps():
     with torch.no_grad():
         approx(x)          # no_grad and eval forwards are not training steps
     approx.eval()(x)
-    assert approx._fxapprox_state["replans"] == 2
+    assert approx._fxapprox_state.replans == 2
     with pytest.raises(ValueError, match="activation_replan_every"):
         ApproxConfig(activation_replan_every=0)
 

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fxapprox.ops._autocast import cast_like_autocast
-from fxapprox.ops._derived import local as _local
-from fxapprox.ops._derived import local_setting
+from fxapprox.ops.training_context import current, training_context
 
 
 class _AttentionFromSavedInputs(torch.autograd.Function):
@@ -59,8 +58,8 @@ def attention_from_saved_inputs(query, key, value, attn_mask=None, dropout_p=0.0
     """
     if dropout_p:
         raise ValueError(f"attention_from_saved_inputs needs dropout_p=0, got {dropout_p!r}")
-    compressing = torch.is_grad_enabled() and (getattr(_local, "compressor", None) is not None
-                                               or getattr(_local, "analysing_attention", False))
+    context = current()
+    compressing = torch.is_grad_enabled() and (context.compressor is not None or context.analysing_attention)
     mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
     if not compressing or mask_grad:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
@@ -74,7 +73,7 @@ def attention_from_saved_inputs(query, key, value, attn_mask=None, dropout_p=0.0
 def as_in_compressed_training():
     """Inside the block :func:`attention_from_saved_inputs` takes its compressed-training path (for the
     analysis passes, which run nodes outside a compressing forward)."""
-    return local_setting("analysing_attention", True)
+    return training_context(analysing_attention=True)
 
 
 __all__ = ["as_in_compressed_training", "attention_from_saved_inputs"]

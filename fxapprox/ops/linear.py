@@ -22,7 +22,7 @@ import torch
 
 from fxapprox._validate import check_choice
 from fxapprox.ops._autocast import cast_like_autocast
-from fxapprox.ops._derived import note_derived
+from fxapprox.ops.training_context import note_derived
 from fxapprox.ops.sampling import select_pairs
 
 

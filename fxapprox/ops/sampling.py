@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from fxapprox._validate import check_share
-from fxapprox.ops._derived import local
+from fxapprox.ops.training_context import current
 
 Selector = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
 
@@ -202,7 +202,7 @@ def select_pairs(method: str, scores: torch.Tensor, k: int,
         allowed = ", ".join(repr(m) for m in sorted(METHODS))
         raise ValueError(f"method must be one of {allowed}, got {method!r}") from None
     random_share = check_share("random_share", random_share)
-    if getattr(local, "isolate_draws", None):
+    if current().isolate_draws:
         # A guarded step (fxapprox.guard): draw from a fork of the RNG, so that the layers' dropout draws the
         # same masks as in the exact reference pass, which replays the step from the same RNG state.
         devices = [scores.device] if scores.device.type == "cuda" else []

@@ -1,0 +1,54 @@
+"""The state an approximated model carries (``approx._fxapprox_state``): what was asked, what was planned, and
+what training has done since."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxapprox.config import ApproxConfig
+from fxapprox.guard import TrainingHistory
+
+__all__ = ["ModelState"]
+
+
+@dataclass
+class ModelState:
+    """One approximated model's state. Mutable: planning, training steps and re-plans update it in place."""
+
+    # -- what was asked (``fxapprox.approximate``'s arguments) --------------------------------------------------
+    budget: float | str
+    memory_budget: float | None
+    method: str
+    config: ApproxConfig
+    model_name: str
+    # -- what was planned ---------------------------------------------------------------------------------------
+    #: the current plan and its report (``None`` until the first batch or ``example_inputs``)
+    plan: Any = None          # fxapprox.plan.Plan
+    report: Any = None        # fxapprox.report.Report
+    #: the config the memory plan was made with (``activation_recompute="auto"`` decided)
+    memory_config: ApproxConfig | None = None
+    #: the compressed-saving options of the memory plan, ``None`` without one
+    saving: Any = None        # fxapprox.saved_activations.SavingOptions
+    #: region-captured models (``fxapprox.eager``): the root region and the stitched planning graph
+    root: dict | None = None
+    planning: Any = None      # torch.fx.GraphModule
+    # -- what training has done --------------------------------------------------------------------------------
+    #: ``set_approximate``: sampled ops on (``True``) or the exact model
+    enabled: bool = True
+    training_steps: int = 0
+    history: TrainingHistory = field(default_factory=TrainingHistory)
+    #: the last training step's saved-activation statistics (compressed saving only)
+    saved_stats: Any = None   # fxapprox.saved_activations.SavedActivationStats
+    #: the guard's check in flight (holds a batch and hooks on this module's tensors), or ``None``
+    check: Any = None
+    #: ``True`` while the exact reference runs inside a check
+    in_reference: bool = False
+    #: memory re-plans so far (``replan_memory``)
+    replans: int = 0
+    warned_compile: bool = False
+
+    def portable(self) -> "ModelState":
+        """A copy without the check in flight (its hooks belong to this module's tensors), for copies and pickles."""
+        return dataclasses.replace(self, check=None, in_reference=False)
