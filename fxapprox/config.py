@@ -8,7 +8,7 @@ decision for layers matched by name, regular expression or module type.
 from __future__ import annotations
 
 import dataclasses
-
+import importlib
 import re
 import warnings
 from dataclasses import dataclass
@@ -84,9 +84,14 @@ class LayerOverride:
         return self.pattern.__name__ if isinstance(self.pattern, type) else repr(self.pattern)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ApproxConfig:
-    """Finer control over tracing and the budget policy.
+    """Finer control over tracing, the compute plan, its pay-off and guard, saved activations and LSTM layers.
+
+    Every field is a keyword argument. They come in five sections, in this order in the code, in this list and
+    in docs/configuration.md.
+
+    Tracing:
 
     - ``leaf_modules``: module qualified names or types the tracer keeps opaque
       (recurrent modules are always leaves).
@@ -95,7 +100,10 @@ class ApproxConfig:
       (``Plan.untraced``); where the model's own code does not trace, it is captured
       region by region (``Plan.regions``, docs/hugging_face.md); ``True``: raise
       :class:`fxapprox.TraceError` instead.
-    - ``overrides``: :class:`LayerOverride` rules; the first matching rule wins.
+    - ``progress``: show a progress bar while the analysis passes run.
+
+    The compute plan:
+
     - ``policy``: how the budget is spent. ``"measured"`` (default): every
       candidate (method × mode × keep-ratio on ``keep_ratios``) of every layer is
       run on the example batch in isolation; its errors (output, input gradient,
@@ -107,6 +115,7 @@ class ApproxConfig:
       the papers' recipe, every eligible layer at ``keep_ratio`` (combine with
       ``min_channels`` for "layers with ≥ N channels at ratio r"); see
       :meth:`paper_recipe`.
+    - ``overrides``: :class:`LayerOverride` rules; the first matching rule wins.
     - ``keep_ratios``: the keep-ratio grid the measured policy tries.
     - ``max_grad_error``: the measured policy's tolerance: the predicted relative
       error of the model's gradient (the root-mean-square over its parameterised
@@ -139,13 +148,23 @@ class ApproxConfig:
       policy chooses per layer; the other policies use ``"forward"``.
     - ``random_share``: share of top-k's kept pairs drawn at random instead, so no
       column starves (never picked, never updated); 0 gives pure top-k.
-    - ``progress``: show a progress bar while the analysis passes run.
-    - ``lstm_granularity``: ``"coarse"`` (default: the same kept gate columns for the
-      whole batch at each step, so the backward GEMMs shrink) or ``"fine"`` (each row
-      keeps its own top-k; more faithful, not faster) for LSTM sparse backward.
-    - ``lstm_block_steps``: coarse-grained, how many time steps share one choice of kept gate columns
-      (chosen by the block's first step in backward order); the block's input and weight gradients are then
-      one product each. 1 chooses at every step (see :class:`fxapprox.ops.lstm.LSTMBackward`).
+
+    Pay-off and the guard (``docs/loss_per_second.md``):
+
+    - ``min_gain``: the measured policy's plan must be predicted to reach a given loss
+      at least this much sooner than exact training (predicted step speed-up ÷ predicted
+      steps); it stops sampling where the predicted gain peaks and keeps the model exact
+      when the peak is below this. ``None``: spend the budget regardless.
+    - ``backward_error_cost`` / ``forward_error_cost``: predicted extra steps per squared
+      error of each family — one step's gradient error for layers sampled in their
+      backward (and compressed activations), the model output's relative error for
+      layers sampled in their forward (``fxapprox.passes.payoff``). Fitted to fixed-plan
+      training runs (``benchmarks/bench_loss_per_second.py calibrate``).
+    - ``check_every``: every this many training steps, measure the approximate gradient
+      against an exact backward on the same batch (``approx.history``) and re-plan when
+      the error passes ``max_grad_error`` or the plan stops paying; ``None``: no guard.
+    - ``check_replan``: act on a check (``False``: measure and record only).
+    - ``check_verbose``: print one line per check.
 
     Saved activations (used when ``memory_budget < 1`` or ``activation_bits`` is set):
 
@@ -175,62 +194,61 @@ class ApproxConfig:
       first training step compiles them, ~1 min on a laptop CPU); ``False`` runs
       the same code eagerly.
 
-    Pay-off and the guard (``docs/loss_per_second.md``):
+    LSTM layers (``docs/lstm.md``):
 
-    - ``min_gain``: the measured policy's plan must be predicted to reach a given loss
-      at least this much sooner than exact training (predicted step speed-up ÷ predicted
-      steps); it stops sampling where the predicted gain peaks and keeps the model exact
-      when the peak is below this. ``None``: spend the budget regardless.
-    - ``backward_error_cost`` / ``forward_error_cost``: predicted extra steps per squared
-      error of each family — one step's gradient error for layers sampled in their
-      backward (and compressed activations), the model output's relative error for
-      layers sampled in their forward (``fxapprox.passes.payoff``). Fitted to fixed-plan
-      training runs (``benchmarks/bench_loss_per_second.py calibrate``).
-    - ``check_every``: every this many training steps, measure the approximate gradient
-      against an exact backward on the same batch (``approx.history``) and re-plan when
-      the error passes ``max_grad_error`` or the plan stops paying; ``None``: no guard.
-    - ``check_replan``: act on a check (``False``: measure and record only).
-    - ``check_verbose``: print one line per check.
+    - ``lstm_granularity``: ``"coarse"`` (default: the same kept gate columns for the
+      whole batch at each step, so the backward GEMMs shrink) or ``"fine"`` (each row
+      keeps its own top-k; more faithful, not faster) for LSTM sparse backward.
+    - ``lstm_block_steps``: coarse-grained, how many time steps share one choice of kept gate columns
+      (chosen by the block's first step in backward order); the block's input and weight gradients are then
+      one product each. 1 chooses at every step (see :class:`fxapprox.ops.lstm.LSTMBackward`).
 
     Example::
 
         >>> cfg = ApproxConfig(overrides=(LayerOverride("fc", exclude=True),), min_channels=64)
         >>> approx = fxapprox.approximate(model, 0.5, config=cfg)
+        >>> ApproxConfig.from_dict(cfg.to_dict()) == cfg
+        True
     """
 
+    # -- tracing --------------------------------------------------------------------------------------------------
     leaf_modules: tuple[str | type, ...] = ()
     strict_trace: bool = False
-    overrides: tuple[LayerOverride, ...] = ()
-    keep_ratio: float = 0.5
-    min_keep_ratio: float = 0.1
-    min_channels: int = 16
-    min_k: int = 4
-    mode: str | None = None
-    random_share: float = 0.05
+    progress: bool = False
+    # -- the compute plan -----------------------------------------------------------------------------------------
     policy: str = "measured"
+    overrides: tuple[LayerOverride, ...] = ()
     keep_ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
     max_grad_error: float | None = 0.3
     min_speedup: float | None = 1.05
     measure_repeats: int = 2
     error_draws: int = 3
     noise_horizon: float = 30.0
-    progress: bool = False
-    lstm_granularity: str = "coarse"
-    lstm_block_steps: int = DEFAULT_BLOCK_STEPS
+    keep_ratio: float = 0.5
+    min_keep_ratio: float = 0.1
+    min_channels: int = 16
+    min_k: int = 4
+    mode: str | None = None
+    random_share: float = 0.05
+    # -- pay-off and the guard ------------------------------------------------------------------------------------
+    min_gain: float | None = 1.05
+    backward_error_cost: float = 4.4
+    forward_error_cost: float = 67.0
+    check_every: int | None = 50
+    check_replan: bool = True
+    check_verbose: bool = True
+    # -- saved activations ----------------------------------------------------------------------------------------
     activation_bits: int | None = None
     activation_group_size: int = 256
     activation_rounding: str = "stochastic"
     activation_min_bytes: int = 65536
-    activation_compile: bool = True
     activation_policy: str = "measured"
     activation_recompute: bool | str = "auto"
     activation_replan_every: int | None = None
-    backward_error_cost: float = 4.4
-    forward_error_cost: float = 67.0
-    min_gain: float | None = 1.05
-    check_every: int | None = 50
-    check_replan: bool = True
-    check_verbose: bool = True
+    activation_compile: bool = True
+    # -- LSTM layers ----------------------------------------------------------------------------------------------
+    lstm_granularity: str = "coarse"
+    lstm_block_steps: int = DEFAULT_BLOCK_STEPS
 
     def __post_init__(self) -> None:
         if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)):
@@ -333,16 +351,60 @@ class ApproxConfig:
         return None
 
     def to_dict(self) -> dict:
-        """A JSON-serialisable description, one key per field (types are written by name)."""
+        """A JSON-serialisable description, one key per field (module types as ``{"type": "module.Name"}``)."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ApproxConfig":
+        """The config :meth:`to_dict` describes (a plan's ``config``, read back from JSON).
+
+        Module types are imported by their qualified name; a class that cannot be imported (defined inside a
+        function) raises ``ValueError``: build that config in code instead.
+        """
+        if not isinstance(data, dict):
+            raise TypeError(f"ApproxConfig.from_dict needs a dict, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise TypeError(f"ApproxConfig.from_dict: unknown field(s) {unknown}; the fields are {names}")
+        values = {name: _from_plain(value) for name, value in data.items()}
+        if "overrides" in values:
+            values["overrides"] = tuple(rule if isinstance(rule, LayerOverride) else LayerOverride(**rule)
+                                        for rule in values["overrides"])
+        return cls(**values)
 
 
 def _plain(value):
-    """``value`` as JSON data: types by name, overrides as dicts of their fields, tuples as lists."""
+    """``value`` as JSON data: module types by qualified name, overrides as dicts of their fields, tuples as lists."""
     if isinstance(value, type):
-        return value.__name__
+        return {"type": f"{value.__module__}.{value.__qualname__}"}
     if isinstance(value, LayerOverride):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
+    return value
+
+
+def _from_plain(value):
+    """The inverse of :func:`_plain` (lists as tuples, ``{"type": ...}`` imported; override dicts stay dicts)."""
+    if isinstance(value, list):
+        return tuple(_from_plain(v) for v in value)
+    if isinstance(value, dict) and set(value) == {"type"}:
+        return _import_type(value["type"])
+    if isinstance(value, dict):
+        return {k: _from_plain(v) for k, v in value.items()}
+    return value
+
+
+def _import_type(qualified: str) -> type:
+    module_name, _, name = qualified.rpartition(".")
+    try:
+        value = importlib.import_module(module_name)
+        for part in name.split("."):
+            value = getattr(value, part)
+    except (ImportError, AttributeError, ValueError):
+        value = None
+    if not isinstance(value, type) or "<locals>" in qualified:
+        raise ValueError(f"ApproxConfig.from_dict: cannot import the module type {qualified!r}; build a config "
+                         f"naming it in code")
     return value

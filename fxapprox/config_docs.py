@@ -1,5 +1,6 @@
 """The configuration reference (docs/configuration.md), made from :class:`ApproxConfig` itself: every field with its
-default and the paragraph of the class docstring that describes it, grouped as the docstring groups them.
+default and the paragraph of the class docstring that describes it, in the docstring's sections (the order of the
+fields in the code: ``tests/test_docs.py`` checks that too).
 
 ``python -m fxapprox.config_docs > docs/configuration.md`` writes it; ``tests/test_docs.py`` checks that the
 committed page is what this prints, so the reference cannot drift from the code.
@@ -13,19 +14,22 @@ import re
 
 from fxapprox.config import ApproxConfig
 
-__all__ = ["configuration_reference"]
+__all__ = ["configuration_reference", "documented_fields"]
 
 _BULLET = re.compile(r"^- ((?:``\w+``(?: / )?)+): ?(.*)$")
 
 
 def _described() -> list[tuple[str, list[tuple[list[str], str]]]]:
-    """``[(group title, [(field names, description)])]`` from the class docstring's bullet lists."""
-    groups: list[tuple[str, list[tuple[list[str], str]]]] = [("Tracing and the compute plan", [])]
+    """``[(section title, [(field names, description)])]`` from the class docstring's sections (a line ending in
+    ``:``) and their bullet lists."""
+    groups: list[tuple[str, list[tuple[list[str], str]]]] = []
     current: list | None = None
     for line in inspect.cleandoc(ApproxConfig.__doc__).splitlines():
         stripped = line.strip()
         bullet = _BULLET.match(stripped)
         if bullet:
+            if not groups:
+                raise RuntimeError("ApproxConfig's docstring lists a field before its first section heading")
             current = [re.findall(r"``(\w+)``", bullet.group(1)), bullet.group(2)]
             groups[-1][1].append(current)
         elif stripped.endswith(":") and not line.startswith(" ") and not stripped.startswith("Example"):
@@ -38,8 +42,14 @@ def _described() -> list[tuple[str, list[tuple[list[str], str]]]]:
     return [(title, [(names, text.strip()) for names, text in items]) for title, items in groups]
 
 
+def documented_fields() -> list[str]:
+    """The field names in the order the docstring's sections list them."""
+    return [name for _, items in _described() for names, _ in items for name in names]
+
+
 def _markdown(text: str) -> str:
-    """reST's double backticks as Markdown's single ones."""
+    """reST's double backticks and cross-reference roles as Markdown's single backticks."""
+    text = re.sub(r":(?:class|meth|func|mod|attr):`~?([^`]+)`", r"`\1`", text)
     return re.sub(r"``([^`]+)``", r"`\1`", text)
 
 

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import fxapprox
-from fxapprox.config_docs import configuration_reference
+from fxapprox.config_docs import configuration_reference, documented_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,6 +16,10 @@ def test_the_configuration_reference_is_the_one_the_code_makes():
     page = configuration_reference()
     for field in dataclasses.fields(fxapprox.ApproxConfig):
         assert f"`{field.name}`" in page
+
+
+def test_the_docstring_sections_list_the_fields_in_code_order():
+    assert documented_fields() == [f.name for f in dataclasses.fields(fxapprox.ApproxConfig)]
 
 
 def test_readme_is_a_landing_page_whose_links_resolve():

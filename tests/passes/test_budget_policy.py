@@ -31,7 +31,8 @@ X = torch.randn(4, 3, 12, 12)
 
 
 def _plan(budget=0.5, **config):
-    """The FLOP-ranked policy (``policy="flops"``); the measured policy has its own tests."""
+    """The FLOP-ranked policy (``policy="flops"``); the measured policy is tested below on injected measurements
+    and in test_measured_policy.py on measured ones."""
     config.setdefault("policy", "flops")
     return fxapprox.approximate(Net(), budget, example_inputs=(X,), config=ApproxConfig(**config)).plan
 
@@ -125,3 +126,111 @@ def test_override_validation():
         LayerOverride("fc", exclude=True, keep_ratio=0.5)
     with pytest.raises(TypeError, match="pattern"):
         LayerOverride(3)
+
+
+# -- the measured policy on injected measurements --------------------------------------------------------------
+# The measured policy's own phases (least error per FLOP saved, the raised last ratio, the tolerance, min_speedup)
+# on candidates whose errors and speed are written in by hand: no measurement noise, every figure known.
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+MEASURED_BY_HAND = dict(policy="measured", mode="weight_grad", min_speedup=1.05, min_gain=None, min_channels=8,
+                        keep_ratios=(0.25, 0.5, 0.75))
+
+
+def _tower_with_measurements(errors: dict, speedups: dict | None = None, **config):
+    """Tower analysed and its candidates enumerated, each candidate then given ``errors[layer] · (1 - keep)`` as
+    its weight-gradient error and ``speedups[layer]`` as its speed-up (2.0 by default)."""
+    import dataclasses
+
+    from fxapprox.passes import (annotate_channels, count_flops, enumerate_candidates, propagate_shapes,
+                                 rank_layers, trace)
+    from fxapprox.records import CANDIDATES_KEY, candidates_of
+
+    config = ApproxConfig(**{**MEASURED_BY_HAND, **config})
+    x = torch.randn(32, 64)
+    gm = trace(Tower())
+    count_flops(gm, x)
+    propagate_shapes(gm, x)
+    annotate_channels(gm)
+    rank_layers(gm)
+    enumerate_candidates(gm, "wta_crs", config)
+    for node in gm.graph.find_nodes(op="call_module"):
+        layer = candidates_of(node)
+        measured = tuple(dataclasses.replace(
+            c, errors={"output": 0.0, "input_grad": 0.0, "weight_grad": errors[node.target] * (1 - c.keep_ratio)},
+            seconds=1.0, speedup=(speedups or {}).get(node.target, 2.0)) for c in layer.candidates)
+        node.meta[CANDIDATES_KEY] = dataclasses.replace(layer, candidates=measured, exact_seconds=1.0)
+    return gm, config
+
+
+def test_measured_policy_samples_the_layer_with_less_error_per_flop_first():
+    from fxapprox.passes import plan_budget
+
+    gm, config = _tower_with_measurements({"a": 0.4, "b": 0.1})
+    plan = plan_budget(gm, 0.88, "wta_crs", config)
+    assert [d.node for d in plan.approximated] == ["b"], plan.note
+    assert "least error per FLOP saved" in plan.decision("b").reason
+    assert "not needed" in plan.decision("a").reason
+    assert plan.budget_met and plan.achieved <= 0.88 + 1e-9
+
+
+def test_measured_policy_raises_the_last_ratio_to_cut_no_more_than_the_budget_needs():
+    from fxapprox.passes import plan_budget
+
+    gm, config = _tower_with_measurements({"a": 0.4, "b": 0.1})
+    plan = plan_budget(gm, 0.88, "wta_crs", config)
+    b = plan.decision("b")
+    # off the 0.25/0.5/0.75 grid: the fewest pairs that still meet the budget
+    assert b.keep_ratio not in config.keep_ratios and "keep-ratio raised" in b.reason
+    exact_total = plan.total_exact_flops
+    one_pair_more = b.exact_flops - round((b.exact_flops - b.planned_flops) * (b.n - b.k - 1) / (b.n - b.k))
+    assert plan.total_planned_flops <= 0.88 * exact_total + 0.5
+    assert plan.total_planned_flops + (one_pair_more - b.planned_flops) > 0.88 * exact_total, \
+        "one pair more would miss the budget"
+    # the interpolated error lies between the grid points around it
+    grid = {c["keep_ratio"]: c["errors"]["weight_grad"] for c in b.candidates}
+    below = max(r for r in grid if r < b.keep_ratio)
+    above = min((r for r in grid if r > b.keep_ratio), default=1.0)
+    assert grid.get(above, 0.0) <= b.measured_errors["weight_grad"] <= grid[below]
+
+
+def test_measured_policy_stops_at_the_tolerance_and_says_so():
+    from fxapprox.passes import plan_budget
+
+    gm, config = _tower_with_measurements({"a": 2.0, "b": 2.0}, max_grad_error=0.3)
+    plan = plan_budget(gm, 0.3, "wta_crs", config)
+    assert not plan.budget_met and plan.predicted_error <= 0.3 + 1e-9
+    assert "not reachable within max_grad_error=0.3" in plan.note
+    assert any("max_grad_error=0.3 reached" in d.reason for d in plan.layers if not d.approximate)
+
+
+def test_measured_policy_leaves_layers_exact_whose_candidates_are_not_faster():
+    from fxapprox.passes import plan_budget
+
+    gm, config = _tower_with_measurements({"a": 0.1, "b": 0.1}, speedups={"a": 1.0})
+    plan = plan_budget(gm, 0.5, "wta_crs", config)
+    assert not plan.decision("a").approximate
+    assert "no candidate measured faster than exact (best 1.00x < min_speedup=1.05)" in plan.decision("a").reason
+
+
+def test_config_round_trips_through_json_and_rejects_what_it_cannot_rebuild():
+    config = ApproxConfig(overrides=(LayerOverride(nn.Linear, keep_ratio=0.25), LayerOverride("fc", exclude=True)),
+                          leaf_modules=(nn.GRU, "encoder"), keep_ratios=(0.5, 0.25), check_every=None)
+    assert ApproxConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(TypeError, match=r"unknown field\(s\) \['budgt'\]"):
+        ApproxConfig.from_dict({"budgt": 0.5})
+
+    class Local(nn.Module):
+        pass
+    with pytest.raises(ValueError, match="cannot import the module type"):
+        ApproxConfig.from_dict(ApproxConfig(leaf_modules=(Local,)).to_dict())
+    with pytest.raises(TypeError):
+        ApproxConfig(())   # keyword arguments only: the fields' order is the docs' sections, not an API
