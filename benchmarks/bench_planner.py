@@ -157,19 +157,20 @@ class _OneSampledGEMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from fxapprox.ops.linear import _keep_count, pair_scores, sampled_rows_product, squared_norms
+        from fxapprox.ops.linear import pair_scores, sampled_rows_product, squared_norms
+        from fxapprox.ops.sampling import rounded_count
 
         x, weight = ctx.saved_tensors
         grad_x, grad_w = grad @ weight, grad.t() @ x
         if ctx.which == "dx":
             scores = pair_scores(squared_norms(grad, 0), squared_norms(weight, 1))
-            kept = torch.topk(scores, _keep_count(ctx.ratio, weight.shape[0])).indices
+            kept = torch.topk(scores, rounded_count(ctx.ratio, weight.shape[0])).indices
             grad_x = grad[:, kept] @ weight[kept]
         elif ctx.which == "dw-wta":
             grad_w = sampled_rows_product(grad, x, ctx.ratio, "wta_crs")
         else:
             scores = pair_scores(squared_norms(x, 1), squared_norms(grad, 1))
-            kept = torch.topk(scores, _keep_count(ctx.ratio, grad.shape[0])).indices
+            kept = torch.topk(scores, rounded_count(ctx.ratio, grad.shape[0])).indices
             scale = scores.sum() / scores[kept].sum() if ctx.which == "dw-rescaled" else 1.0
             grad_w = (grad[kept] * scale).t() @ x[kept]
         return grad_x, grad_w, grad.sum(0), None, None

@@ -39,6 +39,7 @@ from torch import nn
 
 from fxapprox.modules import SamplingSpec
 from fxapprox.ops.lstm import LSTMBackward
+from fxapprox.ops.sampling import kept_count, rounded_count
 from fxapprox.records import flops_of, kind_of, tensor_of
 
 MATMUL_TARGETS = (torch.matmul, operator.matmul, torch.mm)
@@ -83,11 +84,6 @@ def parameter_of(gm: torch.fx.GraphModule, arg) -> nn.Parameter | None:
         if isinstance(value, nn.Parameter):
             return value
     return None
-
-
-def kept_count(ratio: float, n: int) -> int:
-    """Pairs kept of ``n`` at keep-ratio ``ratio`` (the planner's k: floor, at least 1)."""
-    return max(1, min(n, math.floor(ratio * n + 1e-9)))
 
 
 class OpKind:
@@ -135,15 +131,17 @@ class OpKind:
         if mode == "forward":
             k = kept_count(ratio, n)
             return f"k={k} at keep-ratio {ratio:g} < min_k={min_k}" if k < min_k else None
+        # what the sampled op keeps of the other dimensions it samples (fxapprox.ops.sampling.rounded_count)
         rows = self.batch_rows(node)
-        if round(ratio * rows) < min_k:
-            return f"{round(ratio * rows)} of {rows} batch rows at keep-ratio {ratio:g} < min_k={min_k}"
+        kept_rows = rounded_count(ratio, rows) if rows else 0
+        if kept_rows < min_k:
+            return f"{kept_rows} of {rows} batch rows at keep-ratio {ratio:g} < min_k={min_k}"
         if mode == "backward":
             out = kind.out_channels or 0
             if out < min_channels:
                 return f"input-gradient sampling over {out} outputs < min_channels={min_channels}"
-            if round(ratio * out) < min_k:
-                return f"{round(ratio * out)} of {out} outputs at keep-ratio {ratio:g} < min_k={min_k}"
+            if rounded_count(ratio, out) < min_k:
+                return f"{rounded_count(ratio, out)} of {out} outputs at keep-ratio {ratio:g} < min_k={min_k}"
         return None
 
     # -- cost ----------------------------------------------------------------

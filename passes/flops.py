@@ -76,11 +76,11 @@ def _sparse_lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_
                           **kwargs) -> int:
     # The three backward GEMMs run on the kept 4k of the 4H gate columns (coarse); fine-grained masks
     # entries but keeps the GEMMs full size.
-    from fxapprox.ops.lstm import keep_count
+    from fxapprox.ops.sampling import rounded_count
 
     keep_ratio, granularity = rest[4], rest[5]
     hidden = w_hh[1]
-    kept = keep_count(keep_ratio, hidden) if granularity == "coarse" else hidden
+    kept = rounded_count(keep_ratio, hidden) if granularity == "coarse" else hidden
     return 2 * _rnn_layer_flops(x, w_ih, w_hh) * kept // hidden
 
 

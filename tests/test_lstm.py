@@ -10,7 +10,8 @@ import fxapprox
 from fxapprox.modules import ApproxLSTM, SamplingSpec
 from fxapprox.ops import _cpu_gemm as cpu_gemm
 from fxapprox.ops import lstm as lstm_ops
-from fxapprox.ops.lstm import coarse_columns, fine_mask_, keep_count, sparse_backward_lstm_layer
+from fxapprox.ops.lstm import coarse_columns, fine_mask_, sparse_backward_lstm_layer
+from fxapprox.ops.sampling import rounded_count
 
 #: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
 FLOPS = fxapprox.ApproxConfig(policy="flops")
@@ -20,7 +21,7 @@ CONFIGS = [dict(), dict(num_layers=2), dict(bidirectional=True), dict(batch_firs
 
 
 def _approx_lstm(lstm: nn.LSTM, keep_ratio: float, granularity: str = "coarse") -> ApproxLSTM:
-    k = keep_count(keep_ratio, lstm.hidden_size)
+    k = rounded_count(keep_ratio, lstm.hidden_size)
     return ApproxLSTM.from_lstm(copy.deepcopy(lstm), SamplingSpec("topk", max(k, 1), lstm.hidden_size,
                                                                   mode="backward"), granularity)
 

@@ -317,3 +317,16 @@ def test_weight_grad_mode_conv_input_grad_exact():
     torch.testing.assert_close(out, F.conv2d(x, w, padding=1), rtol=0, atol=0)
     torch.testing.assert_close(dx, ex)
     assert not torch.allclose(dw, ew)
+
+
+def test_one_counting_rule_per_use():
+    from fxapprox.ops.sampling import kept_count, rounded_count
+
+    # the plan's k: the most pairs the ratio allows; a sampled op handed k / n keeps that k again
+    for n in (1, 7, 10, 64, 127, 768):
+        for ratio in (0.1, 0.25, 1 / 3, 0.5, 0.75, 0.999):
+            k = kept_count(ratio, n)
+            assert 1 <= k <= n and k <= ratio * n + 1e-9 or k == 1
+            assert rounded_count(k / n, n) == k
+    # another dimension at that ratio: nearest, at least one
+    assert rounded_count(0.5, 7) == 4 and rounded_count(0.01, 7) == 1 and rounded_count(1.0, 7) == 7

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox._validate import check_choice
-from fxapprox.ops.linear import (INPUT_SAVING, _keep_count, _nonempty, _scaled, kept_input, pair_scores,
+from fxapprox.ops.linear import (INPUT_SAVING, _nonempty, _scaled, kept_input, pair_scores,
                                  save_sampled_operands, squared_norms)
-from fxapprox.ops.sampling import select_pairs
+from fxapprox.ops.sampling import rounded_count, select_pairs
 
 
 def _conv_backward(grad_out, x, weight, bias_sizes, conv_args, mask):
@@ -154,7 +154,7 @@ class _BackwardSampledConv2dFunction(torch.autograd.Function):
                 grad_x = _conv_backward(grad_out, x, weight, None, conv_args, [True, False, False])[0]
             elif need_x:
                 scores = pair_scores(channel_squared_norms(grad_out), squared_norms(weight, (1, 2, 3)))
-                kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, weight.shape[0]),
+                kept, scale = _nonempty(*select_pairs(method, scores, rounded_count(keep_ratio, weight.shape[0]),
                                                       random_share), scores)
                 grad_x = _conv_backward(_scaled(grad_out.index_select(1, kept), scale, 1), x,
                                         weight.index_select(0, kept), None, conv_args, [True, False, False])[0]
@@ -164,7 +164,7 @@ class _BackwardSampledConv2dFunction(torch.autograd.Function):
                     grad_w = torch.zeros_like(weight)
                 else:
                     scores = pair_scores(squared_norms(x, (1, 2, 3)), squared_norms(grad_out, (1, 2, 3)))
-                    kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, batch),
+                    kept, scale = _nonempty(*select_pairs(method, scores, rounded_count(keep_ratio, batch),
                                                           random_share), scores)
                     grad_w = _conv_backward(_scaled(grad_out.index_select(0, kept), scale, 0),
                                             x.index_select(0, kept), weight, None, conv_args,

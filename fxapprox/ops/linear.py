@@ -23,7 +23,7 @@ import torch
 from fxapprox._validate import check_choice
 from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops.training_context import note_derived
-from fxapprox.ops.sampling import select_pairs
+from fxapprox.ops.sampling import rounded_count, select_pairs
 
 
 def _nonempty(kept: torch.Tensor, scale: torch.Tensor | None, scores: torch.Tensor):
@@ -192,10 +192,6 @@ def linear_with_pairs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _keep_count(ratio: float, n: int) -> int:
-    return max(1, min(n, round(ratio * n)))
-
-
 class _BackwardSampledLinearFunction(torch.autograd.Function):
     """Exact ``x2d @ weightᵀ + bias``; the weight-gradient GEMM (and, with ``sample_input_grad``, the
     input-gradient GEMM) sampled at ``keep_ratio``."""
@@ -217,7 +213,7 @@ class _BackwardSampledLinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 if sample_input_grad:
                     scores = pair_scores(squared_norms(grad_out, 0), squared_norms(weight, 1))
-                    kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, weight.shape[0]),
+                    kept, scale = _nonempty(*select_pairs(method, scores, rounded_count(keep_ratio, weight.shape[0]),
                                                           random_share), scores)
                     grad_x = _scaled(grad_out.index_select(1, kept), scale, 1) @ weight.index_select(0, kept)
                 else:
@@ -237,7 +233,7 @@ def sampled_rows_product(grad_out: torch.Tensor, x2d: torch.Tensor, keep_ratio: 
     if rows == 0:
         return grad_out.new_zeros(grad_out.shape[1], x2d.shape[1])
     scores = pair_scores(squared_norms(x2d, 1), squared_norms(grad_out, 1))
-    kept, scale = _nonempty(*select_pairs(method, scores, _keep_count(keep_ratio, rows), random_share), scores)
+    kept, scale = _nonempty(*select_pairs(method, scores, rounded_count(keep_ratio, rows), random_share), scores)
     return _scaled(grad_out.index_select(0, kept), scale, 0).t() @ x2d.index_select(0, kept)
 
 

@@ -35,6 +35,7 @@ import torch
 from fxapprox._validate import check_choice, check_int
 from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops._cpu_gemm import (backward_products, linear, linear_add, prepacked, tanh_, tanh_is_fast)
+from fxapprox.ops.sampling import rounded_count
 
 GRANULARITIES = ("coarse", "fine")
 
@@ -66,11 +67,6 @@ class LSTMBackward:
     def __post_init__(self) -> None:
         check_choice("granularity", self.granularity, GRANULARITIES)
         check_int("block_steps", self.block_steps, minimum=1)
-
-
-def keep_count(keep_ratio: float, hidden: int) -> int:
-    """Gate-gradient columns kept per gate at ``keep_ratio``."""
-    return max(1, min(hidden, round(keep_ratio * hidden)))
 
 
 def coarse_columns(dz: torch.Tensor, k: int) -> torch.Tensor:
@@ -208,7 +204,7 @@ def _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gat
     Dense (keep-ratio 1, or fine-grained), the whole sequence is one block of every column."""
     steps, batch, _ = x.shape
     hidden = w_hh.shape[1]
-    k = keep_count(keep_ratio, hidden)
+    k = rounded_count(keep_ratio, hidden)
     sparse = granularity == "coarse" and k < hidden
     products = backward_products(x)
     # Sums over every step: in fp32 when autocast made the layer bf16/fp16 (a T-term bf16 sum loses digits).

@@ -17,6 +17,7 @@ keeps a random number of pairs by design; ``method="auto"`` never picks it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,19 @@ METHODS: dict[str, Selector] = {}
 
 #: weight of the uniform distribution mixed into CRS probabilities (the papers' code uses 0.1)
 CRS_UNIFORM_MIX = 0.1
+
+
+def kept_count(ratio: float, n: int) -> int:
+    """How many of a layer's ``n`` column-row pairs a plan keeps at keep-ratio ``ratio``: the most the ratio
+    allows (floor; at least 1). The plan's ``k``; a sampled op given ``k`` keeps exactly it."""
+    return max(1, min(n, math.floor(ratio * n + 1e-9)))
+
+
+def rounded_count(ratio: float, m: int) -> int:
+    """How many of ``m`` entries a sampled op keeps when it applies a plan's keep-ratio ``k / n`` to another
+    dimension (a backward-sampled layer's batch rows or outputs) or receives only the ratio (an LSTM's hidden
+    units, where ``m == n`` and this is ``k`` again): nearest (at least 1)."""
+    return max(1, min(m, round(ratio * m)))
 
 
 def register_method(name: str) -> Callable[[Selector], Selector]:
