@@ -39,7 +39,7 @@ from fxapprox.report import Report
 from fxapprox.ranks import agreed_plan
 from fxapprox.model_state import ModelState
 from fxapprox.runtime import ApproxRuntime, _shapes
-from fxapprox.saved_activations import compress_saved, recompute_saved
+from fxapprox.saved_markers import compress_saved, recompute_saved
 
 
 class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):

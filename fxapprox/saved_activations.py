@@ -1,7 +1,8 @@
 """Runtime of compressed activation saving: exact forward, low-bit copies kept for backward.
 
 The memory rewrite pass (``fxapprox.passes.rewrite_saved``) inserts, after each
-planned graph value, a node ``compress_saved(value, bits, sign_exact)``. While an
+planned graph value, a marker node ``compress_saved(value, bits, sign_exact)``
+(:mod:`fxapprox.saved_markers`). While an
 :class:`ApproxGraphModule` trains, its forward runs inside one
 :class:`SavedTensorCompressor` session, which is a pair of
 ``torch.autograd.graph.saved_tensors_hooks``:
@@ -296,7 +297,7 @@ class _FollowAutocastCasts(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _without_cast_following():
+def without_cast_following():
     """Run the packer's own ops with :class:`_FollowAutocastCasts` off: they are not the model's (and under
     the mode the compiled packing kernels measured 3× slower)."""
     if isinstance(_get_current_dispatch_mode(), _FollowAutocastCasts):
@@ -310,54 +311,10 @@ def _autocast_on() -> bool:
     return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
-def _current() -> SavedTensorCompressor | None:
-    return current().compressor
-
-
-def compress_saved(value, bits: int, sign_exact: bool = False) -> None:
-    """Graph node inserted by the memory rewrite: save ``value`` for backward at ``bits`` bits.
-
-    Does nothing outside a compressing training forward (eval, ``no_grad``,
-    ``set_approximate(False)``).
-    """
-    compressor = _current()
-    if compressor is not None:
-        with _without_cast_following():
-            compressor.tag(value, bits, sign_exact)
-
-
-def recompute_saved(value, source, recipe, args: tuple, kwargs: dict) -> None:
-    """Graph node inserted by the memory rewrite: rebuild ``value`` in backward instead of saving it.
-
-    ``value`` is ``recipe(*args, **kwargs)`` with ``source`` among the arguments; ``recipe`` is a module or a
-    name in :data:`RECOMPUTABLE_FUNCTIONS` (``"method:tanh"`` for a method). Whatever autograd saves from
-    ``value`` keeps only a reference to the source's saved copy. Does nothing outside a compressing training
-    forward.
-    """
-    compressor = _current()
-    if compressor is None:
-        return
-    if isinstance(recipe, str):
-        if recipe.startswith("method:"):
-            method = recipe.split(":", 1)[1]
-            function = (lambda name: lambda self, *a, **k: getattr(self, name)(*a, **k))(method)
-        else:
-            function = RECOMPUTABLE_FUNCTIONS[recipe]
-    else:
-        function = recipe
-    with _without_cast_following():
-        compressor.tag_recompute(value, source, function, args, kwargs)
-
-
-# Not dead code to torch.fx: they have no users, but they must run where they stand.
-torch.fx.node.has_side_effect(compress_saved)
-torch.fx.node.has_side_effect(recompute_saved)
-
-
 @contextlib.contextmanager
 def compressing_saved_tensors(options: SavingOptions, module: torch.nn.Module):
     """Run the block with tagged saved tensors compressed; yields the :class:`SavedTensorCompressor`."""
-    if _current() is not None:
+    if current().compressor is not None:
         raise RuntimeError("fxapprox: compressed activation saving does not nest (a compressing module inside "
                            "another); approximate the outer model only")
     compressor = SavedTensorCompressor(options, state_storages(module))
@@ -365,7 +322,7 @@ def compressing_saved_tensors(options: SavingOptions, module: torch.nn.Module):
         with training_context(compressor=compressor):
             if _autocast_on():
                 def pack(tensor):
-                    with _without_cast_following():
+                    with without_cast_following():
                         return compressor.pack(tensor)
 
                 with saved_tensors_hooks(pack, compressor.unpack), _FollowAutocastCasts(compressor):
@@ -378,6 +335,15 @@ def compressing_saved_tensors(options: SavingOptions, module: torch.nn.Module):
 
 
 __all__ = ["RECOMPUTABLE_FUNCTIONS", "RECOMPUTABLE_METHODS", "RECOMPUTABLE_MODULES", "RecomputedCopy",
-           "SavedActivationStats", "SavedTensorCompressor", "SavingOptions", "compress_saved", "recompute_saved",
-           "compressing_saved_tensors", "count_saved_bytes", "note_derived", "record_derivations", "state_storages",
-           "is_dense", "storage_ptr", "tensor_key"]
+           "SavedActivationStats", "SavedTensorCompressor", "SavingOptions", "compressing_saved_tensors",
+           "count_saved_bytes", "note_derived", "record_derivations", "state_storages", "is_dense", "storage_ptr",
+           "tensor_key", "without_cast_following"]
+
+
+def __getattr__(name: str):
+    # Models pickled before the marker nodes had their own module (fxapprox.saved_markers) name them here.
+    if name in ("compress_saved", "recompute_saved"):
+        from fxapprox import saved_markers
+
+        return getattr(saved_markers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,21 +4,28 @@ The pipeline, one file per stage; each pass writes a typed record under its own 
 (``fxapprox/records.py``):
 
 1. ``trace`` — capture the model (``ApproxTracer``; recurrent modules stay leaves), then
-   ``training_flags`` — traced ``training=self.training`` arguments follow ``train()``/``eval()`` again
-2. analysis — ``shape_prop``, ``flops``, ``saved_bytes``, ``channels`` (+ ``graph_view``)
+   ``training_flags`` — traced ``training=self.training`` arguments follow ``train()``/``eval()`` again; where
+   the model's own code does not trace, ``regions`` captures it region by region and ``stitch`` makes one
+   planning graph of the regions (``eager_flops`` and ``eager_saved`` measure the eager code between them)
+2. analysis (``fxapprox.analysis.analyse``) — ``flops`` (2a, first: it names the node a model fails at),
+   ``shape_prop`` (2b), ``saved_bytes`` (2c), ``channels`` (2d); ``graph_view`` is the ``networkx`` view
 3. ``rank`` — order sampleable layers, widest and most expensive first
-4. ``candidates`` — blockers and the candidate grid per layer (from the op-kind registry,
-   ``fxapprox/op_kinds.py``); ``measure_candidates`` — each candidate's errors and speed on the
-   example batch; ``budget_policy`` — the explicit :class:`fxapprox.plan.Plan`; ``input_saving`` — what each
-   forward-sampled layer keeps of its input for backward (the input itself or its kept columns)
-5. ``rewrite`` — swap planned nodes for sampled ops (Linear, Conv2d, LSTM)
+4. ``candidates`` (4a) — blockers and the candidate grid per layer (from the op-kind registry,
+   ``fxapprox/op_kinds.py``); ``measure_candidates`` (4b) — each candidate's errors and speed on the
+   example batch; ``budget_policy`` (4c) — the explicit :class:`fxapprox.plan.Plan` (``error_model``,
+   ``payoff``, ``interpolation``, ``fixed_ratio_policy``); ``input_saving`` (4d) — what each forward-sampled
+   layer keeps of its input for backward (the input itself or its kept columns)
+5. ``rewrite`` — swap planned nodes for sampled ops (Linear, Conv2d, LSTM, …)
 
-With a ``memory_budget`` (compressed saved activations), after the rewrite:
+With a ``memory_budget`` (compressed saved activations), after the rewrite (``fxapprox.memory_planning``):
 
-6. ``compact_pooling`` — max pools save 8-bit window offsets; ``saved_bytes`` runs again;
-   ``measure_saved`` — each saved value's gradient cost when quantised;
-   ``memory_policy`` — bits per saved graph value (``plan.memory``);
-   ``rewrite_saved`` — a ``compress_saved`` marker after each planned value
+6. ``compact_pooling`` (6a) — max pools save 8-bit window offsets; ``attention_recompute`` (6b) — attention
+   rebuilds its softmax from its saved inputs; ``saved_bytes`` runs again; ``measure_saved`` (6c) — each saved
+   value's gradient cost when quantised; ``memory_policy`` (6d) — bits per saved graph value (``plan.memory``;
+   ``saved_values`` is its model of the values); ``rewrite_saved`` (6e) — a ``compress_saved`` marker after
+   each planned value
+
+During training, ``replan`` makes the compute plan again from the guard's measurements.
 """
 
 from fxapprox.passes.budget_policy import plan_budget

@@ -1,4 +1,4 @@
-"""Pass 5c — when activations are compressed, attention rebuilds its softmax from its saved inputs.
+"""Pass 6b — when activations are compressed, attention rebuilds its softmax from its saved inputs.
 
 Replaces ``F.scaled_dot_product_attention`` calls without dropout by
 :func:`fxapprox.ops.attention.attention_from_saved_inputs`: the same kernel forward (the

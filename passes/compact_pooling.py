@@ -1,4 +1,4 @@
-"""Pass 5a — when activations are compressed, max pools save 8-bit window offsets, not int64 indices.
+"""Pass 6a — when activations are compressed, max pools save 8-bit window offsets, not int64 indices.
 
 Replaces ``nn.MaxPool2d`` modules and ``F.max_pool2d`` calls (no dilation, no
 ``return_indices``) with :func:`fxapprox.ops.pooling.compact_max_pool2d`:

@@ -1,4 +1,4 @@
-"""Pass 2b — FLOPs: forward and backward FLOPs of every node, measured.
+"""Pass 2a — FLOPs: forward and backward FLOPs of every node, measured.
 
 Uses ``torch.utils.flop_counter.FlopCounterMode`` on each node in isolation
 (see ``passes/_isolation.py``), so the backward FLOPs reflect which gradients

@@ -1,4 +1,4 @@
-"""Pass 4b — input saving: what each forward-sampled layer keeps of its input for backward.
+"""Pass 4d — input saving: what each forward-sampled layer keeps of its input for backward.
 
 A forward-sampled layer needs only its input's kept columns (channels) in backward. It can keep the input
 itself (``"reference"``) and gather them again, or keep a gathered copy (``"gathered"``, ``k/n`` of the

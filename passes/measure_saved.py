@@ -1,4 +1,4 @@
-"""Pass 6a — measure what compressing each saved value costs the gradients (GACT-style bit choice).
+"""Pass 6c — measure what compressing each saved value costs the gradients (GACT-style bit choice).
 
 For every saved graph value the memory policy may compress (floating point, at least
 ``activation_min_bytes``, not a lossless 1-bit ReLU mask): every node that saves the

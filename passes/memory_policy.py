@@ -1,4 +1,4 @@
-"""Pass 4b — memory policy: turn ``memory_budget`` into bits for every saved graph value.
+"""Pass 6d — memory policy: turn ``memory_budget`` into bits for every saved graph value.
 
 ``memory_budget`` is the fraction of the exact model's saved-activation bytes
 (every distinct tensor autograd keeps for backward, parameters left out) the
@@ -209,6 +209,119 @@ def resolve_recompute(gm: torch.fx.GraphModule, memory_budget: float | None, con
     return cheap if fits else dataclasses.replace(config, activation_recompute="linear")
 
 
+@dataclasses.dataclass
+class _Widths:
+    """The memory policy's working state: every saved value's width so far, and why."""
+
+    values: dict[str, SavedValue]
+    rebuilt: dict[str, str]              # rebuilt value → the value it is rebuilt from
+    group: int                           # quantisation group size
+    internal: int                        # bytes of temporaries that are no graph value
+    planned_internal: int                # the same, boolean ones as bit masks
+    bits: dict[str, int] = dataclasses.field(default_factory=dict)
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    candidates: list[str] = dataclasses.field(default_factory=list)   # values whose width the policy chooses
+    routed: set[str] = dataclasses.field(default_factory=set)         # through the hooks at their full width
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)  # predicted squared gradient errors
+
+    @property
+    def exact_total(self) -> int:
+        return sum(v.exact_bytes for v in self.values.values()) + self.internal
+
+    def planned_bytes(self, name: str) -> int:
+        return 0 if name in self.rebuilt else self.values[name].bytes_at(self.bits[name], self.group)
+
+    def planned_total(self) -> int:
+        return sum(self.planned_bytes(n) for n in self.bits) + self.planned_internal
+
+
+def _initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig) -> _Widths:
+    """Every value at its dtype's width, the rebuilt ones chosen, the ineligible ones with their reason."""
+    values, internal, internal_bool = saved_values(gm)
+    widths = _Widths(values, _recomputed(gm, values, config), config.activation_group_size, internal,
+                     internal - internal_bool + (internal_bool + 7) // 8)
+    for name in widths.rebuilt:  # a rebuilt value's floor (attention reads it) binds the value it is rebuilt from
+        root = values[chain_root(widths.rebuilt, name)]
+        if values[name].min_bits > root.min_bits:
+            root.min_bits, root.floor_saver = values[name].min_bits, values[name].floor_saver
+    for name, value in values.items():
+        widths.bits[name] = dtype_bits(value.dtype)
+        blocker = _eligibility(value, config)
+        if name in widths.rebuilt:
+            continue
+        if blocker == "sign":
+            widths.bits[name] = 1
+            widths.reasons[name] = "1-bit mask: its only saver is the ReLU itself, which needs only value > 0"
+        elif blocker is not None:
+            widths.reasons[name] = blocker
+        else:
+            widths.candidates.append(name)
+            widths.reasons[name] = "kept: not needed for the budget"
+    return widths
+
+
+# -- the width policies ------------------------------------------------------------------------------------------
+def _uniform_widths(widths: _Widths, bits: int) -> None:
+    """``activation_bits``: every candidate at ``bits`` (32 still routes them through the hooks: a test of the
+    machinery)."""
+    for name in widths.candidates:
+        widths.routed.add(name)
+        widths.bits[name] = min(bits, widths.bits[name])
+        widths.reasons[name] = f"{bits}-bit copy (activation_bits={bits})"
+
+
+def _measured_widths(widths: _Widths, memory_budget: float) -> None:
+    """``activation_policy="measured"``: the budget met with the least predicted gradient error (the measured
+    costs of ``measure_saved``)."""
+    options = {}
+    for name in widths.candidates:
+        value, measured_bits = widths.values[name], widths.values[name].root.meta[BIT_ERRORS_KEY]
+        options[name] = [BitsOption(b, value.exact_bytes - value.bytes_at(b, widths.group),
+                                    measured_bits[b]["contribution"])
+                         for b in SAVED_BITS if b < widths.bits[name] and b >= value.min_bits]
+    needed = max(0.0, widths.planned_total() - memory_budget * widths.exact_total)
+    chosen, _, _, _ = least_error_allocation(widths.candidates, options, needed, None)
+    for name, option in chosen.items():
+        widths.bits[name] = option.bits
+        widths.errors[name] = option.contribution
+        widths.reasons[name] = (f"{option.bits}-bit copy: least gradient error per byte saved (predicted "
+                                f"{math.sqrt(option.contribution):.3f})"
+                                + _floor_note(widths.values[name], option.bits))
+
+
+def _widest_first(widths: _Widths, memory_budget: float) -> None:
+    """``activation_policy="width"``: the widest value lowered one step at a time until the budget is met."""
+    values, bits = widths.values, widths.bits
+    target = memory_budget * widths.exact_total
+    total = widths.planned_total()
+    while total > target:
+        lowerable = [n for n in widths.candidates if bits[n] > max(SAVED_BITS[-1], values[n].min_bits)]
+        if not lowerable:
+            break
+        name = max(lowerable, key=lambda n: (bits[n], values[n].bytes_at(bits[n], widths.group)))
+        before = values[name].bytes_at(bits[name], widths.group)
+        bits[name] = next(step for step in SAVED_BITS if step < bits[name])
+        total -= before - values[name].bytes_at(bits[name], widths.group)
+        widths.reasons[name] = f"{bits[name]}-bit copy (memory budget)" + _floor_note(values[name], bits[name])
+
+
+def _rebuilt_widths(gm: torch.fx.GraphModule, widths: _Widths, config: ApproxConfig) -> None:
+    """A rebuilt value takes the width of the stored value it is rebuilt from, and says so."""
+    rebuilt, bits, values = widths.rebuilt, widths.bits, widths.values
+    for name, source in rebuilt.items():
+        bits[name] = bits[chain_root(rebuilt, name)]
+        if source in rebuilt:
+            stored = "rebuilt value"
+        elif bits[source] >= dtype_bits(values[source].dtype):
+            stored = "exact value"
+        else:
+            stored = f"{bits[source]}-bit copy"
+        root = values[name].root
+        recipe = recipe_of(gm, root, config.activation_recompute == "linear")[0]
+        op = type(gm.get_submodule(root.target)).__name__ if recipe == "module" else recipe
+        widths.reasons[name] = f"recomputed in backward from {source}'s {stored} by {op} (stores nothing)"
+
+
 def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: ApproxConfig) -> MemoryPlan | None:
     """Decide the bits of every saved value; ``None`` when activations are not to be compressed.
 
@@ -221,86 +334,24 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     uniform_bits = config.activation_bits
     if uniform_bits is None and (memory_budget is None or memory_budget >= 1.0):
         return None
-    values, internal, internal_bool = saved_values(gm)
-    planned_internal = internal - internal_bool + (internal_bool + 7) // 8
-    bits: dict[str, int] = {}
-    reasons: dict[str, str] = {}
-    candidates = []
-    group = config.activation_group_size
-    rebuilt = _recomputed(gm, values, config)
-    for name in rebuilt:  # a rebuilt value's floor (attention reads it) binds the value it is rebuilt from
-        root = values[chain_root(rebuilt, name)]
-        if values[name].min_bits > root.min_bits:
-            root.min_bits, root.floor_saver = values[name].min_bits, values[name].floor_saver
-    for name, value in values.items():
-        bits[name] = dtype_bits(value.dtype)
-        blocker = _eligibility(value, config)
-        if name in rebuilt:
-            continue
-        if blocker == "sign":
-            bits[name] = 1
-            reasons[name] = "1-bit mask: its only saver is the ReLU itself, which needs only value > 0"
-        elif blocker is not None:
-            reasons[name] = blocker
-        else:
-            candidates.append(name)
-            reasons[name] = "kept: not needed for the budget"
-    exact_total = sum(v.exact_bytes for v in values.values()) + internal
-
-    def planned_bytes(name: str) -> int:
-        return 0 if name in rebuilt else values[name].bytes_at(bits[name], group)
-
-    def planned_total() -> int:
-        return sum(planned_bytes(n) for n in bits) + planned_internal
-
-    routed = set()
-    errors: dict[str, float] = {}
+    widths = _initial_widths(gm, config)
     measured = config.activation_policy == "measured" and uniform_bits is None and all(
-        BIT_ERRORS_KEY in values[n].root.meta for n in candidates)
+        BIT_ERRORS_KEY in widths.values[n].root.meta for n in widths.candidates)
     if uniform_bits is not None:
-        for name in candidates:
-            routed.add(name)  # activation_bits=32 still routes them through the hooks (a test of the machinery)
-            bits[name] = min(uniform_bits, bits[name])
-            reasons[name] = f"{uniform_bits}-bit copy (activation_bits={uniform_bits})"
+        _uniform_widths(widths, uniform_bits)
     elif measured:
-        options = {}
-        for name in candidates:
-            value, measured_bits = values[name], values[name].root.meta[BIT_ERRORS_KEY]
-            options[name] = [BitsOption(b, value.exact_bytes - value.bytes_at(b, group),
-                                        measured_bits[b]["contribution"])
-                             for b in SAVED_BITS if b < bits[name] and b >= value.min_bits]
-        needed = max(0.0, planned_total() - memory_budget * exact_total)
-        chosen, _, _, _ = least_error_allocation(candidates, options, needed, None)
-        for name, option in chosen.items():
-            bits[name] = option.bits
-            errors[name] = option.contribution
-            reasons[name] = (f"{option.bits}-bit copy: least gradient error per byte saved (predicted "
-                             f"{math.sqrt(option.contribution):.3f})" + _floor_note(values[name], option.bits))
+        _measured_widths(widths, memory_budget)
     else:
-        target = memory_budget * exact_total
-        total = planned_total()
-        while total > target:
-            lowerable = [n for n in candidates if bits[n] > max(SAVED_BITS[-1], values[n].min_bits)]
-            if not lowerable:
-                break
-            name = max(lowerable, key=lambda n: (bits[n], values[n].bytes_at(bits[n], group)))
-            before = values[name].bytes_at(bits[name], group)
-            bits[name] = next(step for step in SAVED_BITS if step < bits[name])
-            total -= before - values[name].bytes_at(bits[name], group)
-            reasons[name] = f"{bits[name]}-bit copy (memory budget)" + _floor_note(values[name], bits[name])
-    for name, source in rebuilt.items():
-        bits[name] = bits[chain_root(rebuilt, name)]
-        if source in rebuilt:
-            stored = "rebuilt value"
-        elif bits[source] >= dtype_bits(values[source].dtype):
-            stored = "exact value"
-        else:
-            stored = f"{bits[source]}-bit copy"
-        root = values[name].root
-        recipe = recipe_of(gm, root, config.activation_recompute == "linear")[0]
-        op = type(gm.get_submodule(root.target)).__name__ if recipe == "module" else recipe
-        reasons[name] = f"recomputed in backward from {source}'s {stored} by {op} (stores nothing)"
-    planned = planned_total()
+        _widest_first(widths, memory_budget)
+    _rebuilt_widths(gm, widths, config)
+    return _memory_plan(gm, widths, memory_budget, uniform_bits, measured)
+
+
+def _memory_plan(gm: torch.fx.GraphModule, widths: _Widths, memory_budget: float | None, uniform_bits: int | None,
+                 measured: bool) -> MemoryPlan:
+    """The :class:`MemoryPlan` of the chosen widths, with its note."""
+    values, bits, rebuilt = widths.values, widths.bits, widths.rebuilt
+    exact_total, planned = widths.exact_total, widths.planned_total()
     if memory_budget is None:
         met, budget_text = True, f"activation_bits={uniform_bits}"
     else:
@@ -309,10 +360,10 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     why_not = ""
     if not met:
         kept = [v.exact_bytes for n, v in values.items()
-                if bits[n] >= dtype_bits(v.dtype) and n not in candidates and n not in rebuilt]
+                if bits[n] >= dtype_bits(v.dtype) and n not in widths.candidates and n not in rebuilt]
         why_not = (f", NOT met: every eligible value is at its lowest width; {len(kept)} values ({mib(sum(kept))}) "
-                   f"and {mib(planned_internal)} of temporaries stay as they are")
-    predicted = math.sqrt(sum(errors.values())) if measured else None
+                   f"and {mib(widths.planned_internal)} of temporaries stay as they are")
+    predicted = math.sqrt(sum(widths.errors.values())) if measured else None
     error_text = "" if predicted is None else f"; predicted model-gradient error {predicted:.3f}"
     eager = sum(n.meta.get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
     eager_text = f"; {mib(eager)} saved by eager code, kept exact" if eager else ""
@@ -323,14 +374,14 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     for name, value in values.items():
         b = bits[name]
         source = rebuilt.get(name)
-        compressed = source is None and (b < dtype_bits(value.dtype) or name in routed)
+        compressed = source is None and (b < dtype_bits(value.dtype) or name in widths.routed)
         decisions.append(SavedValueDecision(
             node=name, shape=value.shape, dtype=str(value.dtype).replace("torch.", ""),
-            exact_bytes=value.exact_bytes, planned_bytes=planned_bytes(name), bits=b, reason=reasons[name],
-            savers=sorted(value.savers), aliases=[m.name for m in value.members[1:]],
+            exact_bytes=value.exact_bytes, planned_bytes=widths.planned_bytes(name), bits=b,
+            reason=widths.reasons[name], savers=sorted(value.savers), aliases=[m.name for m in value.members[1:]],
             sign_exact=compressed and 1 < b < 16 and _sign_exact(gm, value), compressed=compressed,
-            predicted_error=(math.sqrt(errors.get(name, 0.0)) if measured and source is None else None),
+            predicted_error=(math.sqrt(widths.errors.get(name, 0.0)) if measured and source is None else None),
             recomputed_from=source))
     return MemoryPlan(memory_budget=memory_budget, total_exact_bytes=int(exact_total),
-                      total_planned_bytes=int(planned), internal_bytes=int(internal), budget_met=met, note=note,
-                      values=tuple(decisions), predicted_error=predicted, eager_bytes=int(eager))
+                      total_planned_bytes=int(planned), internal_bytes=int(widths.internal), budget_met=met,
+                      note=note, values=tuple(decisions), predicted_error=predicted, eager_bytes=int(eager))

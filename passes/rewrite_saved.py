@@ -1,7 +1,7 @@
-"""Pass 5b — rewrite for compressed saving: mark each planned value with a ``compress_saved`` node.
+"""Pass 6e — rewrite for compressed saving: mark each planned value with a ``compress_saved`` node.
 
 After the last node that defines (or aliases) a planned value, insert
-``fxapprox.saved_activations.compress_saved(value, bits, sign_exact)``. The node
+``fxapprox.saved_markers.compress_saved(value, bits, sign_exact)``. The node
 has no users and no effect outside a compressing training forward; inside one it
 tags the value's storage, so whatever autograd saves from it is kept as a
 ``bits``-bit copy (see :mod:`fxapprox.saved_activations`). The forward's values
@@ -18,7 +18,7 @@ import torch.fx
 
 from fxapprox.passes.memory_policy import recipe_of
 from fxapprox.plan import MemoryPlan
-from fxapprox.saved_activations import compress_saved, recompute_saved
+from fxapprox.saved_markers import compress_saved, recompute_saved
 
 
 def rewrite_saved_activations(gm: torch.fx.GraphModule, memory_plan: MemoryPlan) -> torch.fx.GraphModule:

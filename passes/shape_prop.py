@@ -1,4 +1,4 @@
-"""Pass 2a — shapes: ``torch.fx.passes.shape_prop.ShapeProp`` on the example inputs.
+"""Pass 2b — shapes: ``torch.fx.passes.shape_prop.ShapeProp`` on the example inputs.
 
 Writes a :class:`~fxapprox.records.TensorSummary` (``shape``: a list, or a list of lists for
 multi-output nodes; ``dtype``) under ``node.meta[TENSOR_KEY]``; torch's own ``tensor_meta`` stays too.

@@ -27,7 +27,7 @@ from fxapprox._projection import projection_direction
 from fxapprox.graph_pickle import RecordedGraphModule
 from fxapprox.records import EAGER_REASON_KEY, OUTSIDE_MODEL_KEY, SAME_TENSOR_KEY, UPSTREAM_OUTSIDE_KEY
 from fxapprox.passes.regions import Capture, RegionInputs, bind_placeholders
-from fxapprox.saved_activations import compress_saved
+from fxapprox.saved_markers import compress_saved
 
 __all__ = ["EagerCode", "REGION_KEY", "install_regions", "stitch", "stitched_loss"]
 

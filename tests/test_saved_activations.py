@@ -11,7 +11,8 @@ from torch import nn
 
 import fxapprox
 from fxapprox import ApproxConfig
-from fxapprox.saved_activations import compress_saved, count_saved_bytes
+from fxapprox.saved_activations import count_saved_bytes
+from fxapprox.saved_markers import compress_saved
 from fxapprox.records import saved_of
 
 
@@ -392,7 +393,7 @@ def test_recomputed_values_rerun_under_the_forward_s_autocast(monkeypatch):
 
 
 def test_replan_memory_re_marks_the_graph_on_current_weights():
-    from fxapprox.saved_activations import recompute_saved
+    from fxapprox.saved_markers import recompute_saved
 
     torch.manual_seed(0)
     x = torch.randn(16, 32, 64)

@@ -12,7 +12,7 @@ from fxapprox.passes.compact_pooling import compact_max_pools
 from fxapprox.passes.memory_policy import plan_memory
 from fxapprox.passes.saved_bytes import measure_saved_bytes
 from fxapprox.passes.shape_prop import propagate_shapes
-from fxapprox.saved_activations import compress_saved
+from fxapprox.saved_markers import compress_saved
 from fxapprox.records import BIT_ERRORS_KEY, saved_of
 
 
