@@ -31,7 +31,7 @@ from fxapprox.passes.measure_saved import measure_saved_values
 from fxapprox.passes.memory_policy import memory_candidates, plan_memory
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.rewrite import rewrite_sampled_ops
-from fxapprox.passes.rewrite_saved import rewrite_saved_activations
+from fxapprox.passes.rewrite_saved import remove_saved_markers, rewrite_saved_activations
 from fxapprox.passes.trace import UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
@@ -39,7 +39,6 @@ from fxapprox.report import Report
 from fxapprox.ranks import agreed_plan
 from fxapprox.model_state import ModelState
 from fxapprox.runtime import ApproxRuntime, _shapes
-from fxapprox.saved_markers import compress_saved, recompute_saved
 
 
 class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
@@ -115,15 +114,7 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
                                "(activation_bits plans choose no widths)")
         config: ApproxConfig = state.config
         inputs = self._positional_inputs(args, kwargs)
-        markers = [n for n in self.graph.nodes if n.target in (compress_saved, recompute_saved)]
-        modules = {arg for n in markers if n.target is recompute_saved for arg in n.args[2:3]
-                   if isinstance(arg, torch.fx.Node)}
-        for node in markers:
-            self.graph.erase_node(node)
-        for node in modules:
-            if not node.users:
-                self.graph.erase_node(node)
-        self.recompile()
+        remove_saved_markers(self)
         config = state.memory_config
         with measurement_sandbox(self), as_in_compressed_training():
             if config.activation_policy == "measured" and config.activation_bits is None:

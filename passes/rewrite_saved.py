@@ -49,3 +49,18 @@ def rewrite_saved_activations(gm: torch.fx.GraphModule, memory_plan: MemoryPlan)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def remove_saved_markers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Undo :func:`rewrite_saved_activations`: erase every marker node (and the ``get_attr`` nodes only they used);
+    returns ``gm`` (recompiled). A memory re-plan marks the graph again from scratch."""
+    markers = [n for n in gm.graph.nodes if n.target in (compress_saved, recompute_saved)]
+    modules = {arg for n in markers if n.target is recompute_saved for arg in n.args[2:3]
+               if isinstance(arg, torch.fx.Node)}
+    for node in markers:
+        gm.graph.erase_node(node)
+    for node in modules:
+        if not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
