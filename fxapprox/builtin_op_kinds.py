@@ -11,10 +11,10 @@ from torch import nn
 from fxapprox.modules import (ApproxConv1D, ApproxConv2d, ApproxFunctionalConv2d, ApproxFunctionalLinear,
                               ApproxLinear, ApproxLSTM, ApproxMatmul, lstm_blocker, resolve_conv_padding)
 from fxapprox.op_kinds import (CONV2D_ARG_NAMES, CONV2D_DEFAULTS, CONV2D_TARGETS, LINEAR_TARGETS, OpKind,
-                               conv2d_call_args, is_matmul, kept_count, linear_call_args, parameter_of,
-                               register_op_kind)
+                               conv2d_call_args, is_matmul, kept_count, leading_rows, linear_call_args,
+                               parameter_of, register_op_kind)
 from fxapprox.ops.lstm import LSTMBackward
-from fxapprox.records import flops_of, kind_of, tensor_of
+from fxapprox.records import flops_of, kind_of
 
 __all__ = ["Conv2dKind", "FunctionalConv2dKind", "FunctionalLinearKind", "HFConv1DKind", "LSTMKind", "LinearKind",
            "MatmulKind", "hf_conv1d_class"]
@@ -31,6 +31,9 @@ def _own_forward_blocker(module: nn.Module, base: type) -> str | None:
 # -- the kinds -------------------------------------------------------------------------------------------
 class LinearKind(OpKind):
     name = "linear"
+
+    def batch_rows(self, node):
+        return leading_rows(node)
 
     def blocker(self, gm, node):
         return _own_forward_blocker(gm.get_submodule(node.target), nn.Linear)
@@ -50,17 +53,8 @@ class LinearKind(OpKind):
         return [], ["weight"]
 
 
-def _batch_size(node: torch.fx.Node) -> int:
-    """A convolution's GEMM rows for batch-row sampling: its batch (channels come second, not last)."""
-    shape = tensor_of(node).shape
-    return shape[0] if shape and all(isinstance(s, int) for s in shape) else 0
-
-
 class Conv2dKind(OpKind):
     name = "conv2d"
-
-    def batch_rows(self, node):
-        return _batch_size(node)
 
     def match(self, gm, node):
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), nn.Conv2d):
@@ -99,6 +93,9 @@ def _groups_blocker(node: torch.fx.Node) -> str | None:
 class FunctionalLinearKind(OpKind):
     name = "linear_fn"
 
+    def batch_rows(self, node):
+        return leading_rows(node)
+
     def match(self, gm, node):
         if node.op != "call_function" or node.target not in LINEAR_TARGETS:
             return None
@@ -121,9 +118,6 @@ class FunctionalLinearKind(OpKind):
 
 class FunctionalConv2dKind(OpKind):
     name = "conv2d_fn"
-
-    def batch_rows(self, node):
-        return _batch_size(node)
 
     def match(self, gm, node):
         if node.op != "call_function" or node.target not in CONV2D_TARGETS:
@@ -160,6 +154,9 @@ class FunctionalConv2dKind(OpKind):
 
 class MatmulKind(OpKind):
     name = "matmul"
+
+    def batch_rows(self, node):
+        return leading_rows(node)
 
     def match(self, gm, node):
         if node.op not in ("call_function", "call_method") or not is_matmul(node):
@@ -239,6 +236,9 @@ class HFConv1DKind(OpKind):
     with the weight transposed (matched by class, so transformers is not imported)."""
 
     name = "conv1d_hf"
+
+    def batch_rows(self, node):
+        return leading_rows(node)
 
     def match(self, gm, node):
         if node.op != "call_module" or hf_conv1d_class(gm.get_submodule(node.target)) is None:

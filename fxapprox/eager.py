@@ -38,7 +38,7 @@ from fxapprox.passes.stitch import EagerCode, install_regions, stitch, stitched_
 from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.ranks import agreed_plan
-from fxapprox.model_state import ModelState
+from fxapprox.model_state import ModelState, check_loaded
 from fxapprox.runtime import ApproxRuntime, _shapes
 
 __all__ = ["ApproxModel", "approximate_eager"]
@@ -150,6 +150,7 @@ def _user_class(approx_class: type) -> type:
 
 
 def _rebuild_eager(user_class: type, body: dict) -> nn.Module:
+    check_loaded(body)
     model = user_class.__new__(_approx_class(user_class))
     model.__dict__.update(body)
     return model

@@ -77,6 +77,9 @@ def reduce_graph_module(gm: torch.fx.GraphModule, body: dict | None = None) -> t
 def _rebuild_graph_module(cls: type, body: dict, records: list[tuple], codegen, class_name: str):
     from torch import nn
 
+    from fxapprox.model_state import check_loaded
+
+    check_loaded(body)
     root = nn.Module()
     for key in ("_modules", "_parameters", "_buffers"):
         root.__dict__[key] = body[key]

@@ -10,7 +10,7 @@ from typing import Any
 from fxapprox.config import ApproxConfig
 from fxapprox.guard import TrainingHistory
 
-__all__ = ["ModelState"]
+__all__ = ["ModelState", "check_loaded"]
 
 
 @dataclass
@@ -52,3 +52,13 @@ class ModelState:
     def portable(self) -> "ModelState":
         """A copy without the check in flight (its hooks belong to this module's tensors), for copies and pickles."""
         return dataclasses.replace(self, check=None, in_reference=False)
+
+
+def check_loaded(body: dict) -> None:
+    """Refuse, saying what to do, a model pickled by an fxapprox from before ``ModelState`` and the typed node
+    records (its state a dict, its analysis one ``node.meta["fxapprox"]`` dict): its planning state cannot be
+    read back, its weights can."""
+    if isinstance(body.get("_fxapprox_state"), dict):
+        raise ValueError("this approximated model was saved by an earlier fxapprox whose planning state this "
+                         "version cannot read; load its state_dict() into the original model and call "
+                         "fxapprox.approximate again")

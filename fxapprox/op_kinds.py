@@ -108,12 +108,11 @@ class OpKind:
         return None
 
     def batch_rows(self, node: torch.fx.Node) -> int:
-        """Rows of the layer's GEMM, from its output shape: every leading dimension (batch × tokens; features
-        last). A kind whose features are not last (a convolution's channels) overrides it."""
+        """Rows of the layer's GEMM for batch-row sampling, from its output shape: its batch (``shape[0]``, as for a
+        convolution). A kind with its features last (a linear layer: batch × tokens rows) overrides it with
+        :func:`leading_rows`."""
         shape = tensor_of(node).shape
-        if not shape or not all(isinstance(s, int) for s in shape):
-            return 0
-        return math.prod(shape[:-1])
+        return shape[0] if shape and all(isinstance(s, int) for s in shape) else 0
 
     def mode_blocker(self, node: torch.fx.Node, mode: str, ratio: float, min_k: int, min_channels: int) -> str | None:
         """Why ``mode`` at keep-ratio ``ratio`` does not fit this node, or ``None``.
@@ -211,6 +210,12 @@ def register_op_kind(handler: OpKind) -> OpKind:
     return handler
 
 
+def leading_rows(node: torch.fx.Node) -> int:
+    """Every leading dimension of the node's output (batch × tokens): the GEMM rows of a kind with features last."""
+    shape = tensor_of(node).shape
+    return math.prod(shape[:-1]) if shape and all(isinstance(s, int) for s in shape) else 0
+
+
 def is_matmul(node: torch.fx.Node) -> bool:
     return node.target in MATMUL_TARGETS or (node.op == "call_method" and node.target == "matmul")
 
@@ -245,7 +250,8 @@ def handler_for(node: torch.fx.Node) -> OpKind | None:
     return _REGISTRY.get(kind.op_kind) if kind.approximable else None
 
 
-__all__ = ["OP_KINDS", "OpKind", "conv2d_call_args", "handler_for", "kept_count", "linear_call_args", "match_node",
+__all__ = ["OP_KINDS", "OpKind", "conv2d_call_args", "handler_for", "kept_count", "leading_rows", "linear_call_args",
+           "match_node",
            "parameter_of", "register_op_kind"]
 
 # the built-in kinds register themselves (after everything above exists: they subclass OpKind)

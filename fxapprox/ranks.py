@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from fxapprox.records import candidates_of, decision_of
+from fxapprox.records import DECISION_KEY, candidates_of, decision_of
 from fxapprox.model_state import ModelState
 from fxapprox.plan import Plan
 
@@ -55,7 +57,8 @@ def plan_of_rank_zero(gm, plan: Plan) -> Plan:
         matching = [c for c in candidates_of(node).candidates
                     if (c.mode, c.method, c.k) == (decision.mode, decision.method, decision.k)]
         planned = decision_of(node)
-        planned.chosen = (matching[0] if matching else planned.chosen) if decision.approximate else None
+        node.meta[DECISION_KEY] = dataclasses.replace(
+            planned, chosen=(matching[0] if matching else planned.chosen) if decision.approximate else None)
     return plan
 
 

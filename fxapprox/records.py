@@ -1,9 +1,10 @@
 """Where the passes keep their results: one typed record per pass, each under its own ``node.meta`` key.
 
-This is how torch's ``ShapeProp`` keeps a ``TensorMetadata`` under ``node.meta["tensor_meta"]``. A pass writes its
-record once (records are frozen; a later pass that refines one — the measurement adds measured errors to the
-candidates — writes a new record with :func:`dataclasses.replace`) and reads the others through the accessors
-below, which return an empty record for a node a pass did not annotate.
+This is how torch's ``ShapeProp`` keeps a ``TensorMetadata`` under ``node.meta["tensor_meta"]``. Records are
+frozen: a pass writes its record, and a later pass that refines one (the measurement adds measured errors to the
+candidates) writes a new record with :func:`dataclasses.replace`, so a copy of a graph (whose nodes share their
+``meta`` values) never sees another copy's later passes. The accessors below read them: ``tensor_of``, ``kind_of``,
+``flops_of`` and ``saved_of`` return an empty record for a node their pass did not annotate, the others ``None``.
 
 =====================  ==========================  =========================================================
 ``node.meta`` key      record                      written by
@@ -125,11 +126,10 @@ class SavedTensors:
     inplace: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActivationNorms:
-    """Norms measured on the example batch: of a node's input, output, output gradient and input gradient.
-
-    Mutable: the upstream capture writes the first three, the measurement passes the input gradient."""
+    """Norms measured on the example batch: of a node's input, output, output gradient and input gradient (the
+    upstream capture writes the first three, the measurement passes the input gradient)."""
 
     input: float | None = None
     output: float | None = None
@@ -186,8 +186,17 @@ class Candidate:
         return self.errors is not None
 
     def to_dict(self) -> dict:
-        """The fields that are set (the plan's and the export's view)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """Plain data (the export's view): what it is, what it measured once measured, the predictions made."""
+        data = dataclasses.asdict(self)
+        kept = ["method", "mode", "keep_ratio", "k", "n", "flops", "blocked"]
+        if self.measured:
+            kept += ["errors", "bias", "noise", "seconds", "speedup"]
+        kept += [k for k in _PREDICTED if data[k] is not None] + (["interpolated"] if self.interpolated else [])
+        return {k: data[k] for k in kept}
+
+
+_PREDICTED = ("contribution", "predicted_error", "step_contribution", "step_cost", "saving", "time_saving",
+              "raw_contribution", "raw_step_contribution", "raw_step_cost")
 
 
 @dataclass(frozen=True)
@@ -210,10 +219,10 @@ class LayerCandidates:
     exact_seconds: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannedLayer:
-    """A layer's decision in the current plan and the candidate behind it (``None``: exact). Mutable: a re-plan
-    and the DDP rank agreement replace the candidate."""
+    """A layer's decision in the current plan and the candidate behind it (``None``: exact); a re-plan and the DDP
+    rank agreement write a new one."""
 
     decision: Any   # fxapprox.plan.LayerDecision
     chosen: Candidate | None = None
@@ -249,10 +258,8 @@ def norms_of(node: torch.fx.Node) -> ActivationNorms | None:
 
 
 def write_norms(node: torch.fx.Node, **norms: float | None) -> None:
-    """Set some of ``node``'s measured norms (creating its record on first use)."""
-    record = node.meta.setdefault(NORMS_KEY, ActivationNorms())
-    for name, value in norms.items():
-        setattr(record, name, value)
+    """Record some of ``node``'s measured norms (a new record with these changed)."""
+    node.meta[NORMS_KEY] = dataclasses.replace(node.meta.get(NORMS_KEY, ActivationNorms()), **norms)
 
 
 def rank_of(node: torch.fx.Node) -> LayerRank | None:
@@ -280,7 +287,11 @@ def node_summary(node: torch.fx.Node) -> dict:
         summary.update(dataclasses.asdict(tensor_of(node)))
     if KIND_KEY in node.meta:
         kind = dataclasses.asdict(kind_of(node))
-        summary.update({k: v for k, v in kind.items() if v is not None and k != "extra"}, **kind["extra"])
+        matched = ("numeric_padding", "weight_requires_grad") if kind["approximable"] else ()
+        summary.update(op_kind=kind["op_kind"], approximable=kind["approximable"])
+        summary.update({k: v for k, v in kind.items() if k not in ("op_kind", "approximable", "extra")
+                        and (v is not None and k not in ("numeric_padding", "weight_requires_grad") or k in matched)},
+                       **kind["extra"])
     if FLOPS_KEY in node.meta:
         summary.update(flops_fwd=flops_of(node).forward, flops_bwd=flops_of(node).backward)
     if SAVED_KEY in node.meta:
@@ -290,12 +301,13 @@ def node_summary(node: torch.fx.Node) -> dict:
                        saved_internal_bool_bytes=saved.internal_bool_bytes, alias_of=saved.alias_of,
                        inplace=saved.inplace)
     if NORMS_KEY in node.meta:
-        summary["norms"] = {k: v for k, v in dataclasses.asdict(norms_of(node)).items() if v is not None}
+        summary["norms"] = dataclasses.asdict(norms_of(node))
     if RANK_KEY in node.meta:
         summary.update(rank=rank_of(node).rank, rank_score=rank_of(node).score)
     if CANDIDATES_KEY in node.meta:
         layer = candidates_of(node)
-        summary.update({k: v for k, v in dataclasses.asdict(layer).items() if k != "candidates"})
+        summary.update({k: v for k, v in dataclasses.asdict(layer).items() if k != "candidates"
+                        and (v is not None or k in ("blocker", "pinned_ratio"))})
         summary["candidates"] = [c.to_dict() for c in layer.candidates]
     if DECISION_KEY in node.meta:
         planned = decision_of(node)

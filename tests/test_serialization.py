@@ -86,3 +86,27 @@ def test_an_unplanned_module_pickles_and_plans_on_its_first_batch():
     x = torch.randn(16, 8, 8, 8)
     loaded.train()(x).sum().backward()
     assert loaded.plan is not None
+
+
+def test_a_model_saved_before_the_typed_state_is_refused_with_what_to_do():
+    approx = fxapprox.approximate(_Net(), 0.5, example_inputs=(torch.randn(4, 8, 6, 6),),
+                                  config=fxapprox.ApproxConfig(min_speedup=None, check_every=None))
+    rebuild, args = approx.__reduce__()
+    body = dict(args[1])
+    body["_fxapprox_state"] = vars(body["_fxapprox_state"]).copy()   # the dict earlier versions pickled
+    with pytest.raises(ValueError, match="load its state_dict"):
+        rebuild(args[0], body, *args[2:])
+
+
+def test_a_copy_and_its_original_keep_their_own_records():
+    from fxapprox.records import decision_of, norms_of, write_norms
+
+    approx = fxapprox.approximate(_Net(), 0.5, example_inputs=(torch.randn(4, 8, 6, 6),),
+                                  config=fxapprox.ApproxConfig(min_speedup=None, check_every=None))
+    clone = copy.deepcopy(approx)
+    node = next(n for n in approx.graph.nodes if n.name == "fc1")
+    copied = next(n for n in clone.graph.nodes if n.name == "fc1")
+    before = norms_of(node)
+    write_norms(copied, input_grad=123.0)
+    assert norms_of(node) == before and norms_of(copied).input_grad == 123.0
+    assert decision_of(node) == decision_of(copied)
