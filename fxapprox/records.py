@@ -88,6 +88,16 @@ class LayerKind:
     unsupported: str | None = None
     extra: dict = field(default_factory=dict)
 
+    def to_dict(self) -> dict:
+        """Plain data: the kind and what its match found (the two flags only where a registered kind matched)."""
+        data = {"op_kind": self.op_kind, "approximable": self.approximable}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag_of_no_match = f.name in ("numeric_padding", "weight_requires_grad") and not self.approximable
+            if f.name not in data and f.name != "extra" and value is not None and not flag_of_no_match:
+                data[f.name] = value
+        return {**data, **self.extra}
+
     @classmethod
     def from_match(cls, info: dict) -> "LayerKind":
         """The record of a match's info dict (``fxapprox.op_kinds.match_node``)."""
@@ -218,6 +228,12 @@ class LayerCandidates:
     candidates: tuple[Candidate, ...] = ()
     exact_seconds: float | None = None
 
+    def to_dict(self) -> dict:
+        """Plain data (the export's view): the fields that are set, ``blocker`` and ``pinned_ratio`` always."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "candidates"}
+        data = {k: v for k, v in data.items() if v is not None or k in ("blocker", "pinned_ratio")}
+        return {**data, "candidates": [c.to_dict() for c in self.candidates]}
+
 
 @dataclass(frozen=True)
 class PlannedLayer:
@@ -286,12 +302,7 @@ def node_summary(node: torch.fx.Node) -> dict:
     if TENSOR_KEY in node.meta:
         summary.update(dataclasses.asdict(tensor_of(node)))
     if KIND_KEY in node.meta:
-        kind = dataclasses.asdict(kind_of(node))
-        matched = ("numeric_padding", "weight_requires_grad") if kind["approximable"] else ()
-        summary.update(op_kind=kind["op_kind"], approximable=kind["approximable"])
-        summary.update({k: v for k, v in kind.items() if k not in ("op_kind", "approximable", "extra")
-                        and (v is not None and k not in ("numeric_padding", "weight_requires_grad") or k in matched)},
-                       **kind["extra"])
+        summary.update(kind_of(node).to_dict())
     if FLOPS_KEY in node.meta:
         summary.update(flops_fwd=flops_of(node).forward, flops_bwd=flops_of(node).backward)
     if SAVED_KEY in node.meta:
@@ -305,10 +316,7 @@ def node_summary(node: torch.fx.Node) -> dict:
     if RANK_KEY in node.meta:
         summary.update(rank=rank_of(node).rank, rank_score=rank_of(node).score)
     if CANDIDATES_KEY in node.meta:
-        layer = candidates_of(node)
-        summary.update({k: v for k, v in dataclasses.asdict(layer).items() if k != "candidates"
-                        and (v is not None or k in ("blocker", "pinned_ratio"))})
-        summary["candidates"] = [c.to_dict() for c in layer.candidates]
+        summary.update(candidates_of(node).to_dict())
     if DECISION_KEY in node.meta:
         planned = decision_of(node)
         summary["plan"] = planned.decision.to_dict()
