@@ -8,13 +8,9 @@ import torch.fx
 
 from fxapprox.ops.training_context import current
 from fxapprox.recompute import RECOMPUTABLE_FUNCTIONS
-from fxapprox.saved_activations import SavedTensorCompressor, without_cast_following
+from fxapprox.saved_activations import without_cast_following
 
 __all__ = ["compress_saved", "recompute_saved"]
-
-
-def _current() -> SavedTensorCompressor | None:
-    return current().compressor
 
 
 def compress_saved(value, bits: int, sign_exact: bool = False) -> None:
@@ -23,7 +19,7 @@ def compress_saved(value, bits: int, sign_exact: bool = False) -> None:
     Does nothing outside a compressing training forward (eval, ``no_grad``,
     ``set_approximate(False)``).
     """
-    compressor = _current()
+    compressor = current().compressor
     if compressor is not None:
         with without_cast_following():
             compressor.tag(value, bits, sign_exact)
@@ -37,7 +33,7 @@ def recompute_saved(value, source, recipe, args: tuple, kwargs: dict) -> None:
     ``value`` keeps only a reference to the source's saved copy. Does nothing outside a compressing training
     forward.
     """
-    compressor = _current()
+    compressor = current().compressor
     if compressor is None:
         return
     if isinstance(recipe, str):

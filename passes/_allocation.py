@@ -11,17 +11,7 @@ of its own that still meets ``needed`` (the final step may overshoot).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 _TOLERANCE = 1e-9
-
-
-@dataclass(frozen=True)
-class Option:
-    """The least an option is: what it saves and the squared error it adds."""
-
-    saving: float
-    contribution: float
 
 
 def lower_hull(options: list, x: str = "saving", y: str = "contribution") -> list:
@@ -56,9 +46,10 @@ def least_error_allocation(items: list, options: dict, needed: float, error_cap:
 
     Example::
 
+        >>> from types import SimpleNamespace as Option
         >>> opts = {"a": [Option(saving=10, contribution=1.0)], "b": [Option(saving=10, contribution=0.1)]}
         >>> least_error_allocation(["a", "b"], opts, 10, None)[0]
-        {'b': Option(saving=10, contribution=0.1)}
+        {'b': namespace(saving=10, contribution=0.1)}
     """
     benefit, cost = rate
     steps = []

@@ -37,7 +37,8 @@ def raise_last_ratio(chosen: dict, usable: dict, overshoot: float) -> float:
     """Raise the keep-ratio of the layer taken last so the plan cuts no more FLOPs than the budget needs.
 
     Between its grid point and the next one up (same mode and method, or the exact op) the FLOPs are exact
-    and the errors and speed-up are interpolated linearly in ``k``. Returns the change of the squared error.
+    and the errors, speed-up and time saving are interpolated linearly in ``k``. Returns the change of the squared
+    error.
     """
     node = list(chosen)[-1]
     low = chosen[node]
@@ -54,13 +55,10 @@ def raise_last_ratio(chosen: dict, usable: dict, overshoot: float) -> float:
     weight = (k - low.k) / (k_high - low.k)
     flops = handler_for(node).candidate_flops(node, low.mode, k / n)
     interpolated = {key: _interpolate(low, high, weight, key)
-                    for key in ("contribution", "step_contribution", "step_cost", "speedup", "errors", "bias", "noise")}
-    time_saving = low.time_saving
-    if low.time_saving is not None:
-        high_saving = 0.0 if high is None else high.time_saving
-        time_saving = None if high_saving is None else low.time_saving + weight * (high_saving - low.time_saving)
+                    for key in ("contribution", "step_contribution", "step_cost", "speedup", "time_saving", "errors",
+                                "bias", "noise")}
     raised = dataclasses.replace(low, k=k, keep_ratio=k / n, interpolated=True, flops=flops,
-                                 saving=train_flops(node) - flops, time_saving=time_saving,
+                                 saving=train_flops(node) - flops,
                                  predicted_error=math.sqrt(max(interpolated["contribution"], 0.0)), **interpolated)
     chosen[node] = raised
     return raised.contribution - low.contribution
