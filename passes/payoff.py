@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch.fx
@@ -73,8 +74,10 @@ class GainModel:
 
     def describe(self, time_saved: float | None, flops_saved: float, step_cost: float) -> str:
         speedup, steps = self.speedup(time_saved, flops_saved), self.steps(step_cost)
-        return (f"predicted {speedup:.2f}x faster per step, {steps:.2f}x the steps: "
-                f"{speedup / steps:.2f}x {'sooner' if speedup >= steps else 'later'} to the same loss")
+        # Said as a factor above 1 either way: "2.19x later", not "0.46x later".
+        timing = (f"{speedup / steps:.2f}x sooner" if speedup >= steps
+                  else "never" if math.isinf(steps) else f"{steps / speedup:.2f}x later")
+        return f"predicted {speedup:.2f}x faster per step, {steps:.2f}x the steps: {timing} to the same loss"
 
 
 def add_times(a: float | None, b: float | None) -> float | None:

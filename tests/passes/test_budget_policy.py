@@ -234,3 +234,14 @@ def test_config_round_trips_through_json_and_rejects_what_it_cannot_rebuild():
         ApproxConfig.from_dict(ApproxConfig(leaf_modules=(Local,)).to_dict())
     with pytest.raises(TypeError):
         ApproxConfig(())   # keyword arguments only: the fields' order is the docs' sections, not an API
+
+
+def test_payoff_note_says_sooner_or_later_as_a_factor_above_one():
+    from fxapprox.passes.payoff import GainModel
+
+    model = GainModel(exact_step_seconds=None, total_flops=100.0)
+    # Half the FLOPs saved: 2x faster per step. 1.6x the steps: sooner; 5x the steps: 2.5x later.
+    assert model.describe(None, 50.0, 0.6) == "predicted 2.00x faster per step, 1.60x the steps: 1.25x sooner to " \
+                                              "the same loss"
+    assert model.describe(None, 50.0, 4.0) == "predicted 2.00x faster per step, 5.00x the steps: 2.50x later to " \
+                                              "the same loss"
