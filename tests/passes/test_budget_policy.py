@@ -245,3 +245,4 @@ def test_payoff_note_says_sooner_or_later_as_a_factor_above_one():
                                               "the same loss"
     assert model.describe(None, 50.0, 4.0) == "predicted 2.00x faster per step, 5.00x the steps: 2.50x later to " \
                                               "the same loss"
+    assert model.describe(None, 50.0, math.inf).endswith("infx the steps: never to the same loss")
