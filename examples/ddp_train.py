@@ -80,13 +80,11 @@ def main() -> None:
     (x, y), (x_test, y_test) = digits(rank, world)
     torch.manual_seed(0)   # the same initial model and plan on every rank
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    # The FLOP-ranked plan with top-k: identical on every rank whatever its data, and every eligible layer is
-    # forward-sampled, so the hook has slices to save. (A measured plan depends on the example batch and on
-    # timings: plan it on the same batch everywhere with ApproxConfig(min_speedup=None).)
+    # The default config: each rank measures on its own shard, and every rank trains with rank 0's plan (the ranks
+    # agree on one plan, so the hook can send the same slices everywhere).
     hook = "plain" if args.plain else args.hook
     if not args.exact:
-        model = fxapprox.approximate(model, budget=args.budget, example_inputs=(x[:args.batch],), method="topk",
-                                     config=fxapprox.ApproxConfig(policy="flops"))
+        model = fxapprox.approximate(model, budget=args.budget, example_inputs=(x[:args.batch],))
     elif hook.startswith("sampled"):
         parser.error("--hook sampled needs an approximated model (drop --exact)")
     # powerSGD_hook chains collectives in callbacks; under gloo, several buckets' chains interleave differently on

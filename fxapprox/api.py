@@ -155,20 +155,21 @@ def _as_inputs(example_inputs) -> tuple[tuple, dict]:
                     f"got {type(example_inputs).__name__}")
 
 
-def approximate(model: nn.Module, budget: float | str = 0.5, *, example_inputs=None, memory_budget: float | None = None,
-                method: str = "auto", config: ApproxConfig | None = None) -> nn.Module:
-    """Return a copy of ``model`` whose training step spends at most ``budget`` of the exact FLOPs.
+def approximate(model: nn.Module, budget: float | str = "auto", *, example_inputs=None,
+                memory_budget: float | None = None, method: str = "auto",
+                config: ApproxConfig | None = None) -> nn.Module:
+    """Return a copy of ``model`` whose training step executes ``budget`` of the exact FLOPs.
 
-    ``budget`` is the fraction, in (0, 1], of the exact model's training-step
-    FLOPs (forward + backward) the result may spend; 1.0 is exact. The measured
-    policy spends less than asked where more sampling is predicted not to pay
-    (it would cost more training steps than it saves time: the plan's note says
-    so). ``budget="auto"``: the plan predicted to reach a given loss soonest,
-    exact when none is predicted to beat exact training. With
-    ``example_inputs`` (a tensor, a tuple of positional inputs or a dict of
-    keyword inputs) the model is analysed and planned at once; otherwise on
-    the first batch it sees. ``model`` is never modified; it may be an
-    ``nn.Module`` or an already traced ``torch.fx.GraphModule``.
+    ``budget`` is the fraction, in (0, 1], of the exact model's training-step FLOPs (forward + backward) the
+    result executes; 1.0 is exact. A number is an instruction: the measured policy spends it whenever the
+    model's layers can be sampled that far, choosing which layers, modes, methods and keep-ratios cost least
+    (predicted extra training steps per second saved); where they cannot, the plan says which layers cannot be
+    sampled and the lowest fraction reachable. The pay-off model advises: the report says what the plan is
+    predicted to gain, and warns when the prediction is poor. ``budget="auto"`` (the default) asks it to decide:
+    the plan predicted to reach a given loss soonest, exact when none is predicted to beat exact training by
+    ``min_gain``. With ``example_inputs`` (a tensor, a tuple of positional inputs or a dict of keyword inputs)
+    the model is analysed and planned at once; otherwise on the first batch it sees. ``model`` is never
+    modified; it may be an ``nn.Module`` or an already traced ``torch.fx.GraphModule``.
 
     The result is an :class:`ApproxGraphModule` when torch.fx traces the model
     whole. Where the model's own code does not trace (Hugging Face models on

@@ -212,7 +212,7 @@ def _device_synchronizer(inputs: tuple):
     return (lambda: module.synchronize(device)) if hasattr(module, "synchronize") else (lambda: None)
 
 
-def bench(model: nn.Module, example_inputs, *, budget: float | str = 0.5, memory_budget: float | None = None,
+def bench(model: nn.Module, example_inputs, *, budget: float | str = "auto", memory_budget: float | None = None,
           steps: int = 10, warmup: int = 2, method: str = "auto", config=None, loss_fn: Callable | None = None,
           fidelity_samples: int = 1, progress: bool = True) -> BenchResult:
     """Time, memory, FLOPs and per-layer gradient fidelity of ``approximate(model, ...)`` vs ``model``.

@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def common(sub):
         sub.add_argument("model", help="torchvision:NAME or package.module:callable")
-        sub.add_argument("--budget", default="0.5", help="fraction of exact training FLOPs, in (0, 1], or auto (0.5)")
+        sub.add_argument("--budget", default="auto",
+                         help="fraction of exact training FLOPs the step executes, in (0, 1], or auto: the plan the "
+                              "pay-off model predicts reaches a given loss soonest (auto)")
         sub.add_argument("--input-shape", default="8,3,224,224", help="example input shape (8,3,224,224)")
         sub.add_argument("--memory-budget", default=None,
                          help="fraction of exact saved-activation bytes, in (0, 1] (none: not compressed)")
@@ -82,18 +84,21 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--policy", default="measured",
                          help="measured (least measured error for the budget), flops or uniform (measured)")
         sub.add_argument("--max-grad-error", default="0.3",
-                         help="measured policy: predicted model-gradient error the plan may reach, or 'none' (0.3)")
+                         help="measured policy: predicted model-gradient error a budget is spent within where it can "
+                              "be (past it, the plan warns; auto never passes it), or 'none' (0.3)")
         sub.add_argument("--min-speedup", default="1.05",
-                         help="measured policy: a candidate must run this much faster than the exact op, or 'none' "
-                              "to skip timing (1.05)")
+                         help="measured policy: a candidate should run this much faster than the exact op (slower "
+                              "ones only where a budget needs them), or 'none' to skip timing (1.05)")
         sub.add_argument("--min-gain", default="1.05",
-                         help="measured policy: predicted speed-up / predicted extra steps a plan must reach to be "
-                              "used, or 'none' to spend the budget regardless (1.05)")
+                         help="--budget auto: predicted speed-up / predicted extra steps a plan must reach to be "
+                              "used (1.05)")
         sub.add_argument("--seed", type=int, default=0, help="seed for the random model and input (0)")
 
     report = commands.add_parser("report", help="plan a model and print the rewrite report")
     common(report)
-    report.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    report.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    report.add_argument("-v", "--verbose", action="store_true",
+                        help="after the summary, every layer's plan and why (and the saved activations)")
     export = commands.add_parser("export", help="plan a model and write the transformed graph to a directory")
     common(export)
     export.add_argument("-o", "--output", required=True, help="directory to write into")
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(approx.report.to_dict(), indent=1))
             else:
-                approx.report.show()
+                approx.report.show(verbose=args.verbose)
         else:
             import fxapprox
 

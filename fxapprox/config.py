@@ -67,13 +67,20 @@ class ApproxConfig:
     - ``keep_ratios``: the keep-ratio grid the measured policy tries.
     - ``max_grad_error``: the measured policy's tolerance: the predicted relative
       error of the model's gradient (the root-mean-square over its parameterised
-      layers of each one's relative gradient error) the plan may reach. When the
-      budget needs more, the plan stops at the tolerance and says which budget it
-      reached. ``None``: no limit.
-    - ``min_speedup``: a candidate must run at least this much faster than the
-      exact op (fwd + bwd, median of ``measure_repeats`` timed runs) to be used;
-      ``None`` skips timing (plans then depend on FLOPs and errors only, and are
-      identical on every machine — e.g. for tests or several ranks planning apart).
+      layers of each one's relative gradient error). A numeric budget is spent
+      within it where the candidates allow, and past it where the budget needs more
+      (the plan then warns); ``budget="auto"`` never goes past it. ``None``: no limit.
+    - ``min_speedup``: a candidate should run at least this much faster than the
+      exact op (fwd + bwd, median of ``measure_repeats`` timed runs, paired). A numeric
+      budget takes slower candidates only where the faster ones cannot meet it (the
+      plan warns); ``budget="auto"`` never does. ``None`` skips timing (plans then
+      depend on FLOPs and errors only, and are identical on every machine — e.g. for
+      tests or several ranks planning apart).
+    - ``timing_cache``: keep measured timings in a per-machine cache file and reuse
+      them, so the same model, batch and seed plan the same way on every run instead
+      of following timing noise (as inductor caches its autotuning). ``True``
+      (default): ``$FXAPPROX_CACHE_DIR`` or ``~/.cache/fxapprox``; a path: that
+      directory; ``False``: time afresh on every plan.
     - ``measure_repeats``: timed runs per candidate and per exact op.
     - ``error_draws``: draws over which an unbiased method's bias and noise are
       measured (its expected error, not one sample's).
@@ -99,18 +106,25 @@ class ApproxConfig:
 
     Pay-off and the guard (``docs/loss_per_second.md``):
 
-    - ``min_gain``: the measured policy's plan must be predicted to reach a given loss
-      at least this much sooner than exact training (predicted step speed-up ÷ predicted
-      steps); it stops sampling where the predicted gain peaks and keeps the model exact
-      when the peak is below this. ``None``: spend the budget regardless.
+    - ``min_gain``: ``budget="auto"``'s threshold: the plan must be predicted to reach a
+      given loss at least this much sooner than exact training (predicted step speed-up
+      ÷ predicted steps); it stops sampling where the predicted gain peaks and keeps the
+      model exact when the peak is below this. A numeric budget is spent regardless, and
+      its report says what ``"auto"`` would do. ``None``: no advice (and no ``"auto"``).
     - ``backward_error_cost`` / ``forward_error_cost``: predicted extra steps per squared
       error of each family — one step's gradient error for layers sampled in their
       backward (and compressed activations), the model output's relative error for
       layers sampled in their forward (``fxapprox.passes.payoff``). Fitted to fixed-plan
       training runs (``benchmarks/bench_loss_per_second.py calibrate``).
     - ``check_every``: every this many training steps, measure the approximate gradient
-      against an exact backward on the same batch (``approx.history``) and re-plan when
-      the error passes ``max_grad_error`` or the plan stops paying; ``None``: no guard.
+      against an exact backward on the same batch (``approx.history``) and re-plan:
+      under ``budget="auto"`` when the error passes ``max_grad_error`` or the plan stops
+      paying, under a numeric budget only when it passes ``divergence_error``. An exact
+      plan is never checked. ``None``: no guard.
+    - ``divergence_error``: the calibrated model-gradient error past which the guard
+      re-plans a numeric budget (the approximate gradient is then farther from the exact
+      one than the exact one is from zero); the re-plan moves the plan no further from
+      the budget than this needs, and the check records how far.
     - ``check_replan``: act on a check (``False``: measure and record only).
     - ``check_verbose``: print one line per check.
 
@@ -169,6 +183,7 @@ class ApproxConfig:
     keep_ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
     max_grad_error: float | None = 0.3
     min_speedup: float | None = 1.05
+    timing_cache: bool | str = True
     measure_repeats: int = 2
     error_draws: int = 3
     noise_horizon: float = 30.0
@@ -183,6 +198,7 @@ class ApproxConfig:
     backward_error_cost: float = 4.4
     forward_error_cost: float = 67.0
     check_every: int | None = 50
+    divergence_error: float = 1.0
     check_replan: bool = True
     check_verbose: bool = True
     # -- saved activations ----------------------------------------------------------------------------------------
@@ -238,6 +254,8 @@ class ApproxConfig:
             check_positive("max_grad_error", self.max_grad_error)
         if self.min_speedup is not None:
             check_positive("min_speedup", self.min_speedup)
+        if not isinstance(self.timing_cache, (bool, str)):
+            raise TypeError(f"timing_cache must be True, False or a directory path, got {self.timing_cache!r}")
         check_int("measure_repeats", self.measure_repeats, minimum=1)
         check_int("error_draws", self.error_draws, minimum=1)
         if check_positive("noise_horizon", self.noise_horizon) < 1.0:
@@ -267,6 +285,7 @@ class ApproxConfig:
             check_positive("min_gain", self.min_gain)
         if self.check_every is not None:
             check_int("check_every", self.check_every, minimum=1)
+        check_positive("divergence_error", self.divergence_error)
         for name in ("check_replan", "check_verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

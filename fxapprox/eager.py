@@ -30,7 +30,7 @@ from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.eager_flops import count_eager_flops, count_step_flops
 from fxapprox.passes.eager_saved import count_eager_saved_bytes
 from fxapprox.passes.input_saving import plan_input_saving
-from fxapprox.passes.measure_candidates import EXACT_STEP_KEY, measure_candidates, time_step
+from fxapprox.passes.measure_candidates import EXACT_STEP_KEY, cached_step_seconds, measure_candidates
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.regions import Region, capture_regions, record_calls
 from fxapprox.passes.rewrite import rewrite_sampled_ops
@@ -84,8 +84,8 @@ class ApproxModel(ApproxRuntime):
                 measure_candidates(planning, *inputs, config=config, progress=config.progress)
             if EXACT_STEP_KEY in planning.meta:   # the whole model's step, eager code included
                 with measurement_sandbox(self), self._exact_calls():
-                    planning.meta[EXACT_STEP_KEY] = time_step(self, lambda: super(ApproxRuntime, self).__call__(
-                        *args, **kwargs), config.measure_repeats)
+                    planning.meta[EXACT_STEP_KEY] = cached_step_seconds(
+                        self, (args, kwargs), lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), config)
         plan = agreed_plan(planning, plan_input_saving(planning, plan_budget(planning, state.budget, state.method,
                                                                              config)), state)
         plan = dataclasses.replace(plan, regions=tuple(r.to_dict() for r in capture.regions))

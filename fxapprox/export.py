@@ -2,8 +2,9 @@
 
 Files: ``graph.py`` (readable Python of the transformed graph), ``graph.json``
 (nodes, edges, each node's analysis and plan), ``graph.graphml`` and
-``graph.dot`` (written by networkx), ``report.json``, and ``graph.svg`` when
-graphviz's ``dot`` is on ``PATH``.
+``graph.dot`` (written by networkx), ``report.json``, ``report.txt`` (the report
+with every layer's plan and why), and ``graph.svg`` when graphviz's ``dot`` is on
+``PATH``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def export(approx: ApproxGraphModule, directory: str | Path) -> dict[str, Path]:
 
         >>> paths = fxapprox.export(approx, "out/resnet18")
         >>> sorted(paths)
-        ['code', 'dot', 'graphml', 'json', 'report']
+        ['code', 'dot', 'graphml', 'json', 'report', 'report_text']
     """
     if not isinstance(approx, ApproxGraphModule):
         raise TypeError(f"export takes a module returned by fxapprox.approximate, got {type(approx).__name__}")
@@ -83,6 +84,7 @@ def export(approx: ApproxGraphModule, directory: str | Path) -> dict[str, Path]:
         "graphml": out / "graph.graphml",
         "dot": out / "graph.dot",
         "report": out / "report.json",
+        "report_text": out / "report.txt",
     }
     header = (f"# Transformed graph of {report.model_name}, written by fxapprox.export.\n"
               f"# {report.plan.note}\n")
@@ -100,6 +102,7 @@ def export(approx: ApproxGraphModule, directory: str | Path) -> dict[str, Path]:
     nx.write_graphml(flat, paths["graphml"])
     nx.nx_pydot.write_dot(_dot_quote(graph), paths["dot"])
     paths["report"].write_text(json.dumps(report.to_dict(), indent=1))
+    paths["report_text"].write_text(report.text(verbose=True))   # the summary and every layer's plan and why
     dot = shutil.which("dot")
     if dot is not None:
         svg = out / "graph.svg"

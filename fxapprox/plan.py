@@ -132,6 +132,26 @@ class MemoryPlan:
                    **fields)
 
 
+def reason_key(reason: str) -> str:
+    """What layers with the same reason share: the reason up to its first parenthesis (``"no candidate measured
+    faster than exact (best 0.52x < …)"`` → ``"no candidate measured faster than exact"``)."""
+    return reason.split(" (", 1)[0]
+
+
+def exact_reason_groups(decisions) -> list[tuple[str, list]]:
+    """``[(reason, [decisions])]`` of the exact layers among ``decisions``, grouped by :func:`reason_key`, largest
+    group first; a group whose members' reasons differ beyond the key shows the key only."""
+    groups: dict[str, list] = {}
+    for decision in decisions:
+        if not decision.approximate:
+            groups.setdefault(reason_key(decision.reason), []).append(decision)
+    result = []
+    for key, members in groups.items():
+        reasons = {d.reason for d in members}
+        result.append((members[0].reason if len(reasons) == 1 else key, members))
+    return sorted(result, key=lambda group: -len(group[1]))
+
+
 @dataclass(frozen=True)
 class Plan:
     """The whole plan and its totals (training FLOPs are forward + backward)."""
@@ -162,6 +182,15 @@ class Plan:
     #: ``path``, ``kind`` ("traced", "leaf" — swapped in place —, "eager"), ``module_type``, ``reason``,
     #: ``source_line``; empty for a model traced whole
     regions: tuple[dict, ...] = field(default_factory=tuple)
+    #: the pay-off model's predicted steps to a given loss, as a multiple of exact training's
+    predicted_steps: float | None = None
+    #: a numeric budget: what ``budget="auto"`` would plan instead, in one phrase (the pay-off model advises)
+    auto_advice: str | None = None
+    #: what the user should know before trusting the plan (a budget spent past ``max_grad_error``, layers sampled
+    #: although measured slower, a budget out of reach)
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    #: the least fraction of exact training FLOPs the model's candidates reach (measured policy)
+    lowest_reachable: float | None = None
 
     @property
     def achieved(self) -> float:
@@ -171,6 +200,18 @@ class Plan:
     @property
     def approximated(self) -> tuple[LayerDecision, ...]:
         return tuple(d for d in self.layers if d.approximate)
+
+    def fingerprint(self) -> str:
+        """A short hash of what the plan does: the budget and, per layer, whether and how it is sampled (method,
+        mode, kept pairs) and what it keeps of its input. Two plans with the same fingerprint rewrite the model
+        the same way; predictions and timings are left out."""
+        import hashlib
+        import json
+
+        decisions = [(d.node, d.approximate, d.method, d.mode, d.k, d.n, d.save_input) for d in self.layers]
+        memory = None if self.memory is None else [(v.node, v.bits, v.recomputed_from) for v in self.memory.values]
+        text = json.dumps([self.budget, decisions, memory], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def decision(self, node_name: str) -> LayerDecision:
         for decision in self.layers:
@@ -196,6 +237,11 @@ class Plan:
             "predicted_gain": self.predicted_gain,
             "untraced": [dict(u) for u in self.untraced],
             "regions": [dict(r) for r in self.regions],
+            "predicted_steps": self.predicted_steps,
+            "auto_advice": self.auto_advice,
+            "warnings": list(self.warnings),
+            "lowest_reachable": self.lowest_reachable,
+            "fingerprint": self.fingerprint(),
         }
 
     @classmethod
@@ -210,4 +256,7 @@ class Plan:
                    predicted_error=data.get("predicted_error"), predicted_step_error=data.get("predicted_step_error"),
                    predicted_speedup=data.get("predicted_speedup"), predicted_gain=data.get("predicted_gain"),
                    untraced=tuple(dict(u) for u in data.get("untraced", ())),
-                   regions=tuple(dict(r) for r in data.get("regions", ())), **fields)
+                   regions=tuple(dict(r) for r in data.get("regions", ())),
+                   predicted_steps=data.get("predicted_steps"), auto_advice=data.get("auto_advice"),
+                   warnings=tuple(data.get("warnings", ())), lowest_reachable=data.get("lowest_reachable"),
+                   **fields)

@@ -186,6 +186,9 @@ class Candidate:
     step_cost: float | None = None
     saving: float | None = None
     time_saving: float | None = None
+    #: predicted change of the time to a given loss, as a fraction of exact training's: extra steps less the share of
+    #: the step's time saved (negative: the candidate pays); what a numeric budget's walk minimises per FLOP saved
+    net_cost: float | None = None
     interpolated: bool = False
     raw_contribution: float | None = None
     raw_step_contribution: float | None = None
@@ -205,7 +208,7 @@ class Candidate:
         return {k: data[k] for k in kept}
 
 
-_PREDICTED = ("contribution", "predicted_error", "step_contribution", "step_cost", "saving", "time_saving",
+_PREDICTED = ("contribution", "predicted_error", "step_contribution", "step_cost", "saving", "time_saving", "net_cost",
               "raw_contribution", "raw_step_contribution", "raw_step_cost")
 
 

@@ -1,18 +1,29 @@
-"""The rewrite report: per layer what was done (or why not), and the totals.
+"""The rewrite report: a summary a person reads first, then, on request, every layer.
 
-``str(report)`` is a plain-text table, ``report.show()`` prints it with rich
-colours, ``report.to_dict()`` is JSON-serialisable.
+The summary fits a 120-column terminal: the budget asked and achieved, the layers sampled (grouped by how), what the
+pay-off model predicts and what ``budget="auto"`` would do, the warnings, the exact layers grouped by reason, and
+the memory plan and the guard when there are any. The per-layer table (every layer, its plan and why) is behind
+``verbose`` (``report.show(verbose=True)``, ``fxapprox report --verbose``) and in the export.
+
+``str(report)`` is the summary as plain text, ``report.text(verbose=True)`` adds the tables, ``report.show()``
+prints with rich colours, ``report.to_dict()`` is JSON-serialisable.
 """
 
 from __future__ import annotations
 
 import io
 
+from collections import Counter
+
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from fxapprox.plan import Plan
+from fxapprox.plan import Plan, exact_reason_groups
+
+#: the width the plain-text report is laid out for (a terminal's, when the report is shown in one)
+WIDTH = 120
 
 
 def _flops(value: int) -> str:
@@ -71,8 +82,8 @@ class Report:
     Example::
 
         >>> approx = fxapprox.approximate(model, 0.5, example_inputs=(x,))
-        >>> print(approx.report)            # plain text
-        >>> approx.report.show()            # rich, in the terminal
+        >>> print(approx.report)                 # the summary, plain text
+        >>> approx.report.show(verbose=True)     # rich, in the terminal, with every layer
         >>> json.dumps(approx.report.to_dict())
     """
 
@@ -95,38 +106,83 @@ class Report:
             data["history"] = self.history.to_dict()
         return data
 
-    # -- rendering --------------------------------------------------------
+    # -- the summary ------------------------------------------------------
+    def _summary_rows(self) -> list[tuple[str, str, str | None]]:
+        """``(label, text, style)`` rows of the summary."""
+        plan = self.plan
+        rows = []
+        met = "met" if plan.budget_met else "NOT met"
+        asked = "auto (the pay-off model chooses)" if plan.budget == "auto" else f"{budget_text(plan.budget)} asked"
+        rows.append(("budget", f"{asked}: {plan.achieved:.3f} of exact training FLOPs planned"
+                               + ("" if plan.budget == "auto" else f" ({met})")
+                               + f", {_flops(plan.total_planned_flops)} of {_flops(plan.total_exact_flops)} per step",
+                     None if plan.budget_met else "yellow"))
+        rows.append(("sampled", _sampled_text(plan), "green" if plan.approximated else None))
+        predicted = _predicted_text(plan)
+        if predicted:
+            rows.append(("predicted", predicted, None))
+        if plan.auto_advice:
+            rows.append(("auto", plan.auto_advice, None))
+        for warning in plan.warnings:
+            rows.append(("warning", warning, "yellow"))
+        groups = exact_reason_groups(plan.layers)
+        if groups:
+            shown = [f"{len(members)} layer(s): {reason} ({_names(members)})" for reason, members in groups[:6]]
+            if len(groups) > 6:
+                shown.append(f"{sum(len(m) for _, m in groups[6:])} more layer(s) for {len(groups) - 6} other "
+                             "reason(s): see the per-layer table")
+            rows.append(("exact", "\n".join(shown), "dim"))
+        rows.append(("note", plan.note + _untraced_lines(plan) + _region_lines(plan), None))
+        memory = plan.memory
+        if memory is not None:
+            rows.append(("memory", _memory_text(memory) + f"; {memory.note}", None))
+        if self.history:
+            last = self.history[-1]
+            rows.append(("guard", f"{len(self.history)} check(s), {self.history.replans} re-plan(s); last at step "
+                                  f"{last.step}: {_check_summary(last)}", None))
+        rows.append(("layers", "every layer's plan and why: report.show(verbose=True), fxapprox report --verbose, "
+                               "or fxapprox.export", "dim"))
+        return rows
+
+    def _summary(self, plain: bool) -> Table:
+        config = self.plan.config
+        title = (f"fxapprox plan for {self.model_name} (inputs {self.input_shapes}): "
+                 f"{config.get('policy', 'flops')} policy, method {self.plan.method}")
+        grid = Table.grid(padding=(0, 2))
+        grid.title = title
+        grid.title_justify = "left"
+        grid.add_column(justify="left", no_wrap=True, style=None if plain else "bold")
+        grid.add_column(justify="left", overflow="fold")
+        for label, text, style in self._summary_rows():
+            grid.add_row(label, escape(text), style=None if plain else style)
+        return grid
+
+    # -- the tables (verbose) ---------------------------------------------
     def _table(self, plain: bool) -> Table:
         plan = self.plan
         total = plan.total_exact_flops or 1
-        table = Table(title=f"fxapprox plan for {self.model_name} (inputs {self.input_shapes})",
-                      box=box.ASCII if plain else box.SIMPLE_HEAVY, show_lines=False,
-                      caption=self._caption(), caption_justify="left")
-        for name, justify in (("rank", "right"), ("layer", "left"), ("op", "left"), ("out shape", "left"),
-                              ("in→out", "right"), ("train FLOPs", "right"), ("share", "right"),
-                              ("method", "left"), ("mode", "left"), ("keep", "right"), ("planned", "right"),
-                              ("pred. error", "right"), ("speed-up", "right"), ("saved act MiB", "right"),
-                              ("why", "left")):
-            table.add_column(name, justify=justify, overflow="fold")
+        table = Table(title="every layer", box=box.SIMPLE if plain else box.SIMPLE_HEAVY, show_lines=False,
+                      title_justify="left", pad_edge=False)
+        # The measured error and speed-up are in the "why" of a sampled layer (and in the JSON): columns of their
+        # own would leave the reasons too narrow for 120 columns.
+        table.add_column("layer", justify="left", overflow="fold", max_width=32)
+        for name in ("op", "train FLOPs", "plan"):
+            table.add_column(name, justify="left" if name != "train FLOPs" else "right", no_wrap=True)
+        table.add_column("why", justify="left", overflow="fold", ratio=1, min_width=40)
         for d in plan.layers:
             style = None if plain else ("green" if d.approximate else "dim")
-            channels = f"{d.in_channels}→{d.out_channels}" if d.in_channels is not None else "-"
-            table.add_row(
-                str(d.rank) if d.rank is not None else "-", d.target, d.op_kind or "-",
-                "x".join(map(str, d.shape)) if d.shape and all(isinstance(s, int) for s in d.shape) else "-",
-                channels, _flops(d.exact_flops), f"{d.exact_flops / total:.1%}",
-                d.method or "exact", d.mode or "-", f"{d.keep_ratio:.2f}" if d.approximate else "1",
-                _flops(d.planned_flops), "-" if d.predicted_error is None else f"{d.predicted_error:.3f}",
-                "-" if d.measured_speedup is None else f"{d.measured_speedup:.2f}x", _bytes(d.saved_bytes),
-                d.reason + _input_saving(d), style=style)
+            how = f"{d.mode} {d.method} {d.keep_ratio:.2f}" if d.approximate else "exact"
+            table.add_row(d.target, d.op_kind or "-", f"{_flops(d.exact_flops)} {d.exact_flops / total:5.1%}",
+                          how, escape(d.reason + _input_saving(d)), style=style)
         return table
 
     def _memory_table(self, plain: bool) -> Table | None:
         memory = self.plan.memory
         if memory is None:
             return None
-        table = Table(title="saved activations (what autograd keeps for backward)",
-                      box=box.ASCII if plain else box.SIMPLE_HEAVY, caption=memory.note, caption_justify="left")
+        table = Table(title="saved activations (what autograd keeps for backward)", title_justify="left",
+                      box=box.ASCII if plain else box.SIMPLE_HEAVY, caption=escape(memory.note),
+                      caption_justify="left")
         for name, justify in (("value", "left"), ("shape", "left"), ("dtype", "left"), ("saved by", "left"),
                               ("exact MiB", "right"), ("bits", "right"), ("planned MiB", "right"),
                               ("why", "left")):
@@ -136,7 +192,7 @@ class Report:
             style = None if plain else ("green" if v.compressed or rebuilt else "dim")
             bits = "rebuilt" if rebuilt else f"{v.bits}{' (sign-exact)' if v.sign_exact else ''}"
             table.add_row(v.node, "x".join(map(str, v.shape)) if v.shape else "-", v.dtype, ", ".join(v.savers),
-                          f"{v.exact_bytes / 2**20:.2f}", bits, f"{v.planned_bytes / 2**20:.2f}", v.reason,
+                          f"{v.exact_bytes / 2**20:.2f}", bits, f"{v.planned_bytes / 2**20:.2f}", escape(v.reason),
                           style=style)
         table.add_row("(temporaries)", "-", "-", "batch stats, kept-column indices of sampled layers, masks",
                       f"{memory.internal_bytes / 2**20:.2f}", "-", "-", "kept (boolean ones bit-packed)",
@@ -151,8 +207,7 @@ class Report:
             return None
         last = self.history[-1]
         table = Table(title=f"guard: {len(self.history)} check(s), {self.history.replans} re-plan(s); last at step "
-                            f"{last.step}", box=box.ASCII if plain else box.SIMPLE_HEAVY,
-                      caption=_check_summary(last), caption_justify="left")
+                            f"{last.step}", title_justify="left", box=box.ASCII if plain else box.SIMPLE_HEAVY)
         for name, justify in (("layer", "left"), ("method", "left"), ("mode", "left"), ("keep", "right"),
                               ("planned error (alone)", "right"), ("measured error (in the model)", "right")):
             table.add_column(name, justify=justify, overflow="fold")
@@ -162,26 +217,25 @@ class Report:
                           "-" if layer.measured_error is None else f"{layer.measured_error:.3f}")
         return table
 
-    def _caption(self) -> str:
-        plan = self.plan
-        error = "" if plan.predicted_error is None else (
-            f" | predicted model-gradient error {plan.predicted_error:.3f}"
-            + (f" (max_grad_error {plan.config['max_grad_error']:g})" if plan.config.get("max_grad_error") else ""))
-        return (f"training FLOPs (fwd+bwd) exact {_flops(plan.total_exact_flops)}, planned "
-                f"{_flops(plan.total_planned_flops)} | budget asked {budget_text(plan.budget)}, achieved "
-                f"{plan.achieved:.3f} ({'met' if plan.budget_met else 'NOT met'}) | "
-                f"{len(plan.approximated)}/{len(plan.layers)} layers sampled ({plan.method}, "
-                f"{plan.config.get('policy', 'flops')} policy){error}\n{plan.note}{_untraced_lines(plan)}"
-                f"{_region_lines(plan)}")
+    def _renderables(self, plain: bool, verbose: bool) -> list:
+        parts = [self._summary(plain)]
+        if verbose:
+            parts += [t for t in (self._table(plain), self._memory_table(plain), self._guard_table(plain))
+                      if t is not None]
+        return parts
+
+    def text(self, verbose: bool = False, width: int = WIDTH) -> str:
+        """The report as plain text laid out for ``width`` columns: the summary, and with ``verbose`` every layer,
+        every saved value and the guard's last check."""
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
+        for part in self._renderables(plain=True, verbose=verbose):
+            console.print(part)
+            console.print()
+        return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip().splitlines()) + "\n"
 
     def __str__(self) -> str:
-        buffer = io.StringIO()
-        console = Console(file=buffer, width=400, color_system=None, force_terminal=False, highlight=False)
-        console.print(self._table(plain=True))
-        for extra in (self._memory_table(plain=True), self._guard_table(plain=True)):
-            if extra is not None:
-                console.print(extra)
-        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
+        return self.text()
 
     def __repr__(self) -> str:
         memory = self.plan.memory
@@ -190,13 +244,54 @@ class Report:
                 f"achieved={self.plan.achieved:.3f}, sampled={len(self.plan.approximated)}/{len(self.plan.layers)}"
                 f"{saved})")
 
-    def show(self, console: Console | None = None) -> None:
-        """Print the report as a rich table."""
+    def show(self, console: Console | None = None, verbose: bool = False) -> None:
+        """Print the report with rich colours: the summary, and with ``verbose`` every layer."""
         if console is None:
-            console = Console()
-            if not console.is_terminal:  # piped: do not fold the table into 80 columns
-                console = Console(width=240)
-        console.print(self._table(plain=False))
-        for extra in (self._memory_table(plain=False), self._guard_table(plain=False)):
-            if extra is not None:
-                console.print(extra)
+            console = Console(highlight=False)
+            if not console.is_terminal:  # piped: the plain-text report's width
+                console = Console(width=WIDTH, highlight=False)
+        for part in self._renderables(plain=False, verbose=verbose):
+            console.print(part)
+            console.print()
+
+
+def _names(members, limit: int = 3) -> str:
+    names = [d.target for d in members[:limit]]
+    return ", ".join(names) + (f" and {len(members) - limit} more" if len(members) > limit else "")
+
+
+def _sampled_text(plan: Plan) -> str:
+    sampled = plan.approximated
+    if not sampled:
+        return f"none of {len(plan.layers)} layers: the model trains exactly"
+    how = Counter((d.mode, d.method) for d in sampled)
+    parts = []
+    for (mode, method), count in how.most_common():
+        ratios = [d.keep_ratio for d in sampled if (d.mode, d.method) == (mode, method)]
+        keep = f"keep {min(ratios):.2f}" + ("" if max(ratios) - min(ratios) < 5e-3 else f"–{max(ratios):.2f}")
+        parts.append(f"{mode} {method} ×{count} ({keep})")
+    share = sum(d.exact_flops for d in sampled) / (plan.total_exact_flops or 1)
+    return f"{len(sampled)} of {len(plan.layers)} layers ({share:.0%} of the FLOPs): " + ", ".join(parts)
+
+
+def _predicted_text(plan: Plan) -> str:
+    parts = []
+    if plan.predicted_speedup is not None and plan.predicted_steps is not None:
+        gain = plan.predicted_gain or 0.0
+        timing = f"{gain:.2f}x sooner" if gain >= 1 else f"{1 / gain:.2f}x later" if gain > 0 else "never"
+        parts.append(f"{plan.predicted_speedup:.2f}x faster per step, {plan.predicted_steps:.2f}x the steps: "
+                     f"{timing} to the same loss than exact training")
+    if plan.predicted_error is not None and plan.approximated:
+        tolerance = plan.config.get("max_grad_error")
+        parts.append(f"model-gradient error {plan.predicted_error:.3f}"
+                     + (f" (max_grad_error {tolerance:g})" if tolerance else ""))
+    return "; ".join(parts)
+
+
+def _memory_text(memory) -> str:
+    widths = Counter("rebuilt" if v.recomputed_from is not None else f"{v.bits}-bit"
+                     for v in memory.values if v.compressed or v.recomputed_from is not None)
+    how = ", ".join(f"{width} ×{count}" for width, count in widths.most_common())
+    return (f"saved activations {memory.total_exact_bytes / 2**20:.1f} MiB → {memory.total_planned_bytes / 2**20:.1f}"
+            f" MiB ({memory.achieved:.3f} of exact, {'met' if memory.budget_met else 'NOT met'})"
+            + (f": {how}" if how else ""))

@@ -215,12 +215,14 @@ class ApproxRuntime:
             _console().print(record.line(), highlight=False)
 
     def _act_on_check(self, record: CheckRecord, factors) -> CheckRecord:
-        """Re-plan when the check says the plan costs more than the tolerance or no longer pays; the record
-        says what was done and why."""
+        """Re-plan when the check says so (``passes/replan.py``: under ``budget="auto"`` past ``max_grad_error`` or
+        when the plan no longer pays, under a numeric budget only past ``divergence_error``); the record says what
+        was done and why."""
         state = self._fxapprox_state
         config: ApproxConfig = state.config
         plan = self.plan
-        payoff = gain_model(self._planning_module(), plan.total_exact_flops, config)
+        auto = plan.budget == "auto"
+        payoff = gain_model(self._planning_module(), plan.total_exact_flops)
         # Speed: the median of the measured speed-ups since the last re-plan (the first check's step may still pay
         # one-off costs: left out once there are others). Measured values only: under DDP they are the ranks'
         # mean, so every rank decides alike.
@@ -230,20 +232,23 @@ class ApproxRuntime:
         speeds = (since[1:] if len(since) > 1 else since) + [record.speedup]
         speedup = statistics.median(speeds)
         why = []
-        if config.max_grad_error is not None and record.calibrated_error > config.max_grad_error:
-            why.append(f"calibrated model-gradient error {record.calibrated_error:.3f} > max_grad_error "
-                       f"{config.max_grad_error:g}")
+        threshold, name = (config.max_grad_error, "max_grad_error") if auto else \
+            (config.divergence_error, "divergence_error")
+        if threshold is not None and record.calibrated_error > threshold:
+            why.append(f"calibrated model-gradient error {record.calibrated_error:.3f} > {name} {threshold:g}")
         gain = None
-        if payoff is not None and speedup is not None and plan.approximated:
+        if plan.approximated:
             # Steps from what this step measured: each family's error squared times its cost (passes/payoff.py).
             steps = payoff.steps(config.backward_error_cost * record.backward_error ** 2
                                  + config.forward_error_cost * record.output_error ** 2)
             gain = speedup / steps
-            if gain < config.min_gain:
+            if auto and config.min_gain is not None and gain < config.min_gain:
                 why.append(f"{speedup:.2f}x faster per step but {steps:.2f}x the steps: {gain:.2f}x < min_gain "
                            f"{config.min_gain:g}")
         if not why or not plan.approximated:
-            note = "within the tolerance" + ("" if gain is None else f", predicted {gain:.2f}x sooner to a given loss")
+            note = ("within the tolerance" if auto else "below divergence_error") + (
+                "" if gain is None else f", predicted {gain:.2f}x sooner to a given loss" if gain >= 1 else
+                f", predicted {1 / gain:.2f}x later to a given loss")
             return dataclasses.replace(record, note=note if plan.approximated else "nothing sampled")
         if not config.check_replan:
             return dataclasses.replace(record, action="measured", note="; ".join(why) + " (check_replan=False)")
@@ -258,8 +263,10 @@ class ApproxRuntime:
                    if (d.approximate, d.mode, d.method, d.k) != (old.approximate, old.mode, old.method, old.k)]
         summary = ", ".join(f"{d.target} {'exact' if not d.approximate else f'{d.mode} {d.method} {d.keep_ratio:.2f}'}"
                             for d in changed) or "no layer changed"
+        moved = "" if auto else (f"; the plan moved from {plan.achieved:.3f} to {new.achieved:.3f} of exact training "
+                                 f"FLOPs (budget {plan.budget:g})")
         return dataclasses.replace(record, action="replanned", planned_flops=new.achieved,
-                                   note="; ".join(why) + f" → {summary}")
+                                   note="; ".join(why) + f" → {summary}{moved}")
 
     def _apply_plan(self, plan: Plan) -> None:
         """Give every approximated module its decision's spec (``k = n``: exact); parameters stay the same

@@ -5,7 +5,7 @@ value's ``BitsOption``) with a ``saving`` (FLOPs or bytes, > 0) and a ``contribu
 squared error) — besides "leave it exact" at (0, 0). Each item's options are reduced to their lower
 convex hull; the hull steps of all items are taken in order of least error per unit saved (the greedy
 solution of the Lagrangian relaxation, optimal at the hull vertices) until ``needed`` is saved, skipping
-steps that would take the total past ``error_cap²``; last, each chosen item gets the least-error option
+steps that would take the total past ``error_cap²``; last, each chosen item gets the least-cost option
 of its own that still meets ``needed`` (the final step may overshoot).
 """
 
@@ -91,13 +91,16 @@ def least_error_allocation(items: list, options: dict, needed: float, error_cap:
     capped |= refused
     if objective is not None:
         _, chosen, saved, total = best
-    # Last, the least-error option that still meets ``needed`` (not with an objective: it chose the prefix, and
-    # a lower-error option may cost it).
+    # Last, the least-cost option that still meets ``needed`` (not with an objective: it chose the prefix, and
+    # a lower-cost option may cost it).
     for item in (reversed(list(chosen)) if objective is None else ()):
         current = chosen[item]
-        for option in sorted(options[item], key=lambda o: o.contribution):
-            if option.contribution >= current.contribution:
+        for option in sorted(options[item], key=lambda o: getattr(o, cost)):
+            if getattr(option, cost) >= getattr(current, cost):
                 break
+            if error_cap is not None and total - current.contribution + option.contribution > \
+                    error_cap ** 2 + _TOLERANCE:
+                continue
             if saved - current.saving + option.saving >= needed - _TOLERANCE:
                 saved += option.saving - current.saving
                 total += option.contribution - current.contribution

@@ -65,9 +65,9 @@ def _fixed_ratio_layers(layers, config: ApproxConfig, method: str, choices: dict
     return free, settings
 
 
-def uniform_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
+def uniform_choices(gm, layers, budget, total, target, config: ApproxConfig, summary) -> dict:
     choices: dict = {}
-    free, settings = _fixed_ratio_layers(layers, config, summary["method"], choices)
+    free, settings = _fixed_ratio_layers(layers, config, summary.method, choices)
     for node in free:
         n = kind_of(node).reduction_size
         k = kept_count(config.keep_ratio, n)
@@ -86,9 +86,9 @@ def uniform_choices(gm, layers, budget, total, target, config: ApproxConfig, sum
     return choices
 
 
-def flops_choices(gm, layers, budget, total, target, config: ApproxConfig, summary: dict) -> dict:
+def flops_choices(gm, layers, budget, total, target, config: ApproxConfig, summary) -> dict:
     choices: dict = {}
-    free, settings = _fixed_ratio_layers(layers, config, summary["method"], choices)
+    free, settings = _fixed_ratio_layers(layers, config, summary.method, choices)
     free.sort(key=lambda n: rank_of(n).rank if rank_of(n) is not None else math.inf)
     chosen_k = {n: c.candidate.k for n, c in choices.items() if c.candidate is not None}
 

@@ -34,8 +34,10 @@ is timed too (``gm.meta[EXACT_STEP_KEY]``): the step the layers' time savings ar
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import statistics
 import time
+import zlib
 
 import torch
 import torch.fx
@@ -46,11 +48,12 @@ from fxapprox.modules import SamplingSpec
 from fxapprox.op_kinds import handler_for
 from fxapprox.ops.lstm import LSTMBackward
 from fxapprox.errors import AnalysisError
+from fxapprox.timing_cache import TimingCache, step_key
 from fxapprox.records import CANDIDATES_KEY, Candidate, candidates_of, kind_of, write_norms
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
 from fxapprox.passes.candidates import parameterised
 
-__all__ = ["EXACT_STEP_KEY", "measure_candidates", "time_exact_step", "time_step"]
+__all__ = ["EXACT_STEP_KEY", "cached_step_seconds", "measure_candidates", "time_exact_step", "time_step"]
 
 #: methods whose runs differ only by top-k's small random share: one run measures their error
 _DETERMINISTIC = ("topk",)
@@ -124,14 +127,19 @@ def _timing_key(gm, node, args, kwargs) -> tuple:
             tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
 
 
-def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, lstm: LSTMBackward) -> None:
+def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, lstm: LSTMBackward,
+                  cache: TimingCache) -> None:
     layer = candidates_of(node)
     handler = handler_for(node)
     candidates = [c for c in layer.candidates if c.blocked is None]
     runner = _Runner(gm, node, inputs, grads)
     timed = config.min_speedup is not None
     key = _timing_key(gm, node, *inputs) if timed else None
-    shared = timings.get(key) if timed else None
+    cache_key = None
+    if timed:
+        described = repr((key, sorted(_candidate_key(c) for c in candidates), config.measure_repeats))
+        cache_key = "layer:" + hashlib.sha256(described.encode()).hexdigest()
+    shared = (timings.get(key) or cache.get(cache_key)) if timed else None
     fns = []
     for candidate in candidates:
         spec = SamplingSpec(method=candidate.method, k=candidate.k, n=candidate.n, mode=candidate.mode,
@@ -144,6 +152,18 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
     first = runner.run(exact_fn)
     write_norms(node, input_grad=total_norm(first[2]))
     accumulators = [ErrorAccumulator(first[1:]) for _ in candidates]
+    draws = [1 if c.method in _DETERMINISTIC else config.error_draws for c in candidates]
+    runs = [0] * len(candidates)
+
+    def run_candidate(index: int) -> float:
+        # Each run of a candidate draws from its own seed, and only the first ``draws`` runs measure its error: the
+        # errors are the same whether its timing runs happen (a cold timing cache) or not (a warm one).
+        torch.manual_seed(zlib.crc32(f"{node.name}/{index}/{runs[index]}".encode()))
+        seconds, *result = runner.run(fns[index])
+        if runs[index] < draws[index]:
+            accumulators[index].add(result)
+        runs[index] += 1
+        return seconds
     exact_times: list[float] = []
     times: list[list[float]] = [[] for _ in candidates]
     rounds = 1 + config.measure_repeats if timed and shared is None else 0
@@ -152,19 +172,18 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
         if round_index:
             exact_times.append(runner.run(exact_fn)[0])
         for index in sorted(active):
-            seconds, *result = runner.run(fns[index])
-            accumulators[index].add(result)
+            seconds = run_candidate(index)
             if round_index:
                 times[index].append(seconds)
         if round_index == 1:
             # A candidate clearly slower than min_speedup after the first timed round is not timed further
-            # (its one timed run stands): it will not be used, and timing it again costs planning time.
+            # (its one timed run stands): it is used only where a budget needs its FLOPs, and timing it again
+            # costs planning time.
             active = {i for i in active if exact_times[0] / times[i][0] >= config.min_speedup / _CLEARLY_SLOWER}
     measured: dict[int, Candidate] = {}
-    for index, (candidate, fn) in enumerate(zip(candidates, fns)):
-        draws = 1 if candidate.method in _DETERMINISTIC else config.error_draws
-        while accumulators[index].runs < draws:
-            accumulators[index].add(runner.run(fn)[1:])
+    for index, candidate in enumerate(candidates):
+        while runs[index] < draws[index]:
+            run_candidate(index)
         errors, bias, noise = accumulators[index].errors(config.noise_horizon)
         measured[index] = dataclasses.replace(candidate, errors=errors, bias=bias, noise=noise)
     exact_seconds = None
@@ -174,7 +193,8 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
             shared = {"exact": exact_s, "candidates": {}}
             for candidate, samples in zip(candidates, times):
                 shared["candidates"][_candidate_key(candidate)] = statistics.median(samples)
-            timings[key] = shared
+            cache.put(cache_key, shared)
+        timings[key] = shared
         exact_seconds = shared["exact"]
         for index, candidate in measured.items():
             seconds = shared["candidates"].get(_candidate_key(candidate))
@@ -212,14 +232,33 @@ def time_step(module: torch.nn.Module, forward, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_exact_step(gm: torch.fx.GraphModule, example_inputs: tuple, repeats: int) -> float:
+def cached_step_seconds(module: torch.nn.Module, inputs, forward, config: ApproxConfig) -> float:
+    """:func:`time_step` of ``forward``, read from the timing cache when this module and these inputs were timed on
+    this machine before (``fxapprox.timing_cache``)."""
+    cache = TimingCache.for_config(config.timing_cache, _device_of(inputs))
+    key = step_key(module, inputs) + f":{config.measure_repeats}"
+    cached = cache.get(key)
+    if cached is not None:
+        return cached["seconds"]
+    seconds = time_step(module, forward, config.measure_repeats)
+    cache.put(key, {"seconds": seconds})
+    cache.save()
+    return seconds
+
+
+def time_exact_step(gm: torch.fx.GraphModule, example_inputs: tuple, config: ApproxConfig) -> float:
     """Median seconds of the exact model's forward + backward (the projection loss) on the example inputs, after
     one warm-up run: the whole step the layers' measured savings are a part of."""
-    return time_step(gm, lambda: gm.forward(*example_inputs), repeats)   # not gm(): an ApproxGraphModule plans on call
+    # not gm(): an ApproxGraphModule plans on call
+    return cached_step_seconds(gm, example_inputs, lambda: gm.forward(*example_inputs), config)
 
 
-def _candidate_key(candidate: Candidate) -> tuple:
-    return (candidate.method, candidate.mode, candidate.k, candidate.n)
+def _device_of(inputs) -> torch.device:
+    return next((t.device for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def _candidate_key(candidate: Candidate) -> str:
+    return f"{candidate.method} {candidate.mode} {candidate.k}/{candidate.n}"
 
 
 def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: ApproxConfig | None = None,
@@ -249,8 +288,9 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
                             f"{type(error).__name__}: {error}") from error
     lstm = LSTMBackward(config.lstm_granularity, config.lstm_block_steps)
     timings: dict = {}
+    cache = TimingCache.for_config(config.timing_cache, _device_of(example_inputs))
     if config.min_speedup is not None:
-        gm.meta[EXACT_STEP_KEY] = time_exact_step(gm, example_inputs, config.measure_repeats)
+        gm.meta[EXACT_STEP_KEY] = time_exact_step(gm, example_inputs, config)
     nodes = [n for n in gm.graph.nodes if n in wanted]
     from rich.progress import Progress
 
@@ -258,6 +298,7 @@ def measure_candidates(gm: torch.fx.GraphModule, *example_inputs, config: Approx
         task = bar.add_task("measuring candidates (error and speed)", total=len(nodes))
         for node in nodes:
             _measure_node(gm, node, capture.inputs.pop(node), capture.grads.pop(node, {}), config, timings,
-                          lstm)
+                          lstm, cache)
             bar.advance(task)
+    cache.save()
     return gm

@@ -14,8 +14,9 @@ cost training differently for the same gradient error (``benchmarks/bench_loss_p
 
 So ``steps = 1 + backward_error_cost · e_b² + forward_error_cost · e_f²`` (the two ``ApproxConfig`` fields,
 fitted to fixed-plan training runs) and the plan's **gain** — how much sooner it reaches a given loss — is
-``speed-up / steps``; above 1 it is ahead of exact training at equal wall-clock. The measured policy stops
-sampling where more would lower the gain, and keeps the model exact when no plan's gain reaches
+``speed-up / steps``; above 1 it is ahead of exact training at equal wall-clock. It orders how the measured
+policy spends a numeric budget and is reported beside the plan; under ``budget="auto"`` it decides: the walk
+stops where more sampling would lower the gain, and the model stays exact when no plan's gain reaches
 ``ApproxConfig.min_gain``.
 
 Example::
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from fxapprox.config import ApproxConfig
 from fxapprox.passes.error_model import one_draw_errors
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY
 from fxapprox.records import Candidate
@@ -99,8 +99,7 @@ def predicted_cost(chosen: dict) -> float:
     return sum(c.step_cost or 0.0 for c in chosen.values())
 
 
-def gain_model(gm: torch.fx.GraphModule, total_flops: float, config: ApproxConfig) -> "GainModel | None":
-    """The plan's pay-off model (``None`` when ``config.min_gain`` is ``None``: the budget is spent regardless)."""
-    if config.min_gain is None:
-        return None
+def gain_model(gm: torch.fx.GraphModule, total_flops: float) -> GainModel:
+    """The plan's pay-off model: the exact step's measured seconds (``measure_candidates``; the FLOP ratio stands in
+    for speed when the step was not timed) and the model's training FLOPs."""
     return GainModel(gm.meta.get(EXACT_STEP_KEY), total_flops)

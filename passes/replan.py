@@ -14,13 +14,20 @@ The guard (``fxapprox/guard.py``) measures, on one training step, what the plan 
   family's predicted effective contributions.
 
 Their squared ratios against the predictions calibrate the families' predicted contributions
-(``calibration(...)``). The check acts when the calibrated model-gradient error passes ``max_grad_error`` or the
-calibrated plan no longer pays (measured step speed-up ÷ predicted steps below ``min_gain``,
-``fxapprox.passes.payoff``): each approximated layer may then take any of its own candidates that saves no more
-FLOPs than it does now (a higher keep-ratio, another mode or method) or become exact, with the calibrated
-contributions and the measured speed, by the same least-error allocation the plan was made with, stopping where
-the predicted gain is highest. Layers the plan left exact stay exact, so a re-plan only ever takes approximation
-away: checks cannot make plans oscillate.
+(``calibration(...)``). When the check acts depends on what was asked:
+
+* ``budget="auto"`` (the pay-off model chose the plan): when the calibrated model-gradient error passes
+  ``max_grad_error`` or the calibrated plan no longer pays (measured step speed-up ÷ predicted steps below
+  ``min_gain``, ``fxapprox.passes.payoff``);
+* a numeric budget (the user chose the FLOPs): only when the calibrated error passes ``divergence_error``, where
+  training is likely to go astray; the re-plan moves the plan off the budget no further than that threshold needs
+  and the check records how far.
+
+Each approximated layer may then take any of its own candidates that saves no more FLOPs than it does now (a
+higher keep-ratio, another mode or method) or become exact, with the calibrated contributions and the measured
+speed, by the same least-error allocation the plan was made with (under ``"auto"`` stopping where the predicted
+gain is highest). Layers the plan left exact stay exact, so a re-plan only ever takes approximation away: checks
+cannot make plans oscillate.
 """
 
 from __future__ import annotations
@@ -35,10 +42,10 @@ from fxapprox.config import ApproxConfig
 from fxapprox.plan import Plan
 from fxapprox.passes._allocation import least_error_allocation
 from fxapprox.records import Candidate, candidates_of, chosen_of, train_flops
-from fxapprox.passes.budget_policy import _describe, assemble_plan, decisions_for
+from fxapprox.passes.budget_policy import AUTO_BUDGET, assemble_plan, decisions_for, describe_candidate
 from fxapprox.passes.payoff import gain_model, predicted_cost, time_saved
 from fxapprox.passes.error_model import one_draw_errors
-from fxapprox.passes.policy_types import Choice
+from fxapprox.passes.policy_types import Choice, PolicySummary
 from fxapprox.passes.candidates import planned_layers
 
 __all__ = ["Calibration", "calibration", "predicted_families", "replan"]
@@ -118,16 +125,21 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
 
     ``measured_speedup`` corrects the planning-time speed model: the layers' measured time savings are scaled
     so that the current plan's predicted step speed-up equals the measured one.
+
+    ``budget="auto"``: the calibrated plan must stay within ``max_grad_error`` and stops where the predicted gain
+    peaks, as the plan did. A numeric budget: the least calibrated error per FLOP saved within
+    ``divergence_error``, so the plan moves only as far from the budget as the divergence threshold needs.
     """
+    auto = plan.budget == AUTO_BUDGET
     layers = planned_layers(gm)
     by_name = {d.node: d for d in plan.layers}
     total = sum(train_flops(n) for n in gm.graph.nodes)
-    payoff = gain_model(gm, total, config)
+    payoff = gain_model(gm, total)
     current = {n: chosen_of(n) for n in layers if by_name[n.name].approximate}
     predicted_speedup = payoff.speedup(time_saved(current), sum(train_flops(n) - c.flops
-                                                                   for n, c in current.items())) if payoff else 1.0
+                                                                   for n, c in current.items()))
     time_scale = 1.0
-    if payoff is not None and predicted_speedup > 1.0 and measured_speedup > 0:
+    if predicted_speedup > 1.0 and measured_speedup > 0:
         time_scale = max(0.0, (1.0 - 1.0 / measured_speedup) / (1.0 - 1.0 / predicted_speedup))
     options: dict = {}
     for node, chosen in current.items():
@@ -136,7 +148,7 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
         for candidate in [chosen] + list(candidates_of(node).candidates if candidates_of(node) else ()):
             if candidate.contribution is None or candidate.blocked is not None:
                 continue
-            if candidate is not chosen and config.min_speedup is not None and \
+            if auto and candidate is not chosen and config.min_speedup is not None and \
                     (candidate.speedup is None or candidate.speedup < config.min_speedup):
                 continue   # as in the plan: only candidates measured faster than the exact op
             if train_flops(node) - candidate.flops > saving + 0.5:
@@ -153,15 +165,14 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
                 step_cost=_raw(candidate, "step_cost") * factors.scale(candidate, "step_cost"),
                 time_saving=None if candidate.time_saving is None else candidate.time_saving * time_scale))
     objective = None
-    if payoff is not None:
+    if auto and config.min_gain is not None:
         def objective(chosen, saved, squared):
             return payoff.gain(time_saved(chosen), saved, predicted_cost(chosen))
     needed = sum(train_flops(n) - c.flops for n, c in current.items())
-    timed = objective is not None and all(o.time_saving is not None for group in options.values()
-                                          for o in group)
+    timed = auto and all(o.time_saving is not None for group in options.values() for o in group)
     rate = ("time_saving", "step_cost") if timed else ("saving", "contribution")
-    chosen, saved, squared, _ = least_error_allocation(list(current), options, needed, config.max_grad_error,
-                                                       objective, rate)
+    cap = config.max_grad_error if auto else config.divergence_error
+    chosen, saved, squared, _ = least_error_allocation(list(current), options, needed, cap, objective, rate)
     if objective is not None and chosen and objective(chosen, saved, squared) < config.min_gain:
         chosen, saved, squared = {}, 0.0, 0.0   # as in the plan: what does not reach min_gain stays exact
     choices = {}
@@ -172,7 +183,7 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
         elif node in chosen:
             option = chosen[node]
             unchanged = (option.mode, option.method, option.k) == (decision.mode, decision.method, decision.k)
-            reason = decision.reason if unchanged else f"re-planned at step {step} ({why}): {_describe(option)}"
+            reason = decision.reason if unchanged else f"re-planned at step {step} ({why}): {describe_candidate(option)}"
             choices[node] = Choice(option, reason, option.predicted_error)
         else:
             choices[node] = Choice(None, f"re-planned at step {step} ({why}): exact")
@@ -182,19 +193,18 @@ def replan(gm: torch.fx.GraphModule, plan: Plan, factors: Calibration, measured_
                                      save_input_reason=previous[d.node].save_input_reason)
                  if d.approximate and d.mode == "forward" and previous[d.node].mode == "forward" else d
                  for d in decisions]
-    summary = {"squared_error": squared,
-               "step_squared_error": sum(c.step_contribution for c in chosen.values())}
-    if payoff is not None:
-        summary["predicted_speedup"] = payoff.speedup(time_saved(chosen), saved)
-        summary["predicted_steps"] = payoff.steps(predicted_cost(chosen))
-        summary["predicted_gain"] = summary["predicted_speedup"] / summary["predicted_steps"]
+    summary = PolicySummary(method=plan.method, squared_error=squared,
+                            step_squared_error=sum(c.step_contribution for c in chosen.values()), payoff=payoff,
+                            predicted_speedup=payoff.speedup(time_saved(chosen), saved),
+                            predicted_steps=payoff.steps(predicted_cost(chosen)))
     sampled = sum(d.approximate for d in decisions)
     planned = (total - saved) / total if total else 1.0
+    moved = "" if auto else f" (budget {plan.budget:g}: {planned - plan.achieved:+.3f} from the plan before)"
     note = (f"re-planned at step {step} ({why}): {sampled} layer(s) sampled, planned {planned:.3f} of exact training "
-            f"FLOPs, calibrated model-gradient error {math.sqrt(squared):.3f}")
-    if payoff is not None and sampled:
+            f"FLOPs{moved}, calibrated model-gradient error {math.sqrt(squared):.3f}")
+    if sampled:
         note += "; " + payoff.describe(time_saved(chosen), saved, predicted_cost(chosen))
     return dataclasses.replace(assemble_plan(plan.budget, plan.method, total, decisions, config, note, summary,
-                                             plan.budget_met and saved >= needed - 0.5),
-                               memory=plan.memory, untraced=plan.untraced,
-                               regions=plan.regions)
+                                             plan.budget_met and saved >= needed - 0.5, plan.warnings),
+                               memory=plan.memory, untraced=plan.untraced, regions=plan.regions,
+                               auto_advice=plan.auto_advice, lowest_reachable=plan.lowest_reachable)

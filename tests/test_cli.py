@@ -31,10 +31,14 @@ def test_report_measured_policy_json():
     assert all(layer["candidates"] for layer in data["layers"] if layer["op_kind"] == "linear")
 
 
-def test_report_table():
-    result = _run("report", "torchvision:resnet18", "--input-shape", "2,3,32,32")
+def test_report_summary_and_verbose_table():
+    result = _run("report", "torchvision:resnet18", "--input-shape", "2,3,32,32", "--budget", "0.5", "--verbose")
     assert result.returncode == 0, result.stderr
-    assert "layer4.1.conv2" in result.stdout and "budget asked 0.5" in result.stdout
+    assert "layer4.1.conv2" in result.stdout and "0.5 asked" in result.stdout and "every layer" in result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 120
+    default = _run("report", "torchvision:resnet18", "--input-shape", "2,3,32,32")
+    assert default.returncode == 0, default.stderr
+    assert "budget     auto" in default.stdout and "every layer\n" not in default.stdout
 
 
 def test_report_with_memory_budget():

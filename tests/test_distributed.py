@@ -175,7 +175,7 @@ def _guarded(rank: int) -> dict:
     config = fxapprox.ApproxConfig(min_speedup=None, min_gain=None, max_grad_error=0.5, mode="backward",
                                    min_channels=8, check_every=2, check_verbose=False)
     approx = fxapprox.approximate(model, 0.5, example_inputs=(example,), config=config)
-    approx._fxapprox_state.config = dataclasses.replace(config, max_grad_error=0.05)   # force a re-plan
+    approx._fxapprox_state.config = dataclasses.replace(config, divergence_error=0.05)   # force a re-plan
     ddp = DistributedDataParallel(approx)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for x, y in _batches(rank, (32, 64), teacher, count=4):

@@ -67,29 +67,42 @@ def test_guard_measures_the_error_of_a_sampled_plan():
     assert record.cosine < 1.0
 
 
-@pytest.mark.parametrize("mode", ["backward", "forward"])
-def test_layer_past_the_tolerance_is_replanned_and_error_falls(mode):
+@pytest.mark.parametrize("budget, mode", [("auto", "backward"), ("auto", "forward"), (0.5, "backward"),
+                                          (0.5, "forward")])
+def test_layer_past_the_threshold_is_replanned_and_error_falls(budget, mode):
+    """``"auto"`` is held to max_grad_error; a numeric budget only to divergence_error (the user chose the FLOPs),
+    and its check records how far from the budget the re-plan moved the plan."""
     x, y = _data()
-    config = ApproxConfig(min_speedup=None, min_gain=None, max_grad_error=0.5, min_channels=8, mode=mode,
-                          check_every=2, check_verbose=False)
-    approx = fxapprox.approximate(_mlp(), 0.5, example_inputs=(x,), config=config)
+    # "auto" with errors that cost (almost) no steps: it samples as a budget would
+    costs = dict(backward_error_cost=1e-6, forward_error_cost=1e-6) if budget == "auto" else {}
+    config = ApproxConfig(min_speedup=None, min_gain=1.05 if budget == "auto" else None, max_grad_error=0.5,
+                          min_channels=8, mode=mode, check_every=2, check_verbose=False, **costs)
+    approx = fxapprox.approximate(_mlp(), budget, example_inputs=(x,), config=config)
     before = approx.plan
     assert before.approximated
-    # Training turns out stricter than planning: the tolerance the checks hold the plan to is lowered.
-    approx._fxapprox_state.config = dataclasses.replace(config, max_grad_error=0.3)
+    if budget != "auto":   # a tolerance the plan passes is not a reason to move off the user's budget
+        approx._fxapprox_state.config = dataclasses.replace(config, max_grad_error=1e-3)
+        _train(approx, x, y, 2)
+        assert approx.history[0].action == "kept" and "below divergence_error" in approx.history[0].note
+        assert approx.plan == before
+    # Training turns out stricter than planning: the threshold the checks hold the plan to is lowered.
+    threshold = "max_grad_error" if budget == "auto" else "divergence_error"
+    approx._fxapprox_state.config = dataclasses.replace(config, **{threshold: 0.3})
     params = {name: id(p) for name, p in approx.named_parameters()}
     keys = list(approx.state_dict())
     optimizer = _train(approx, x, y, 2)
-    first = approx.history[0]
-    assert first.action == "replanned" and "max_grad_error" in first.note
+    first = next(r for r in approx.history if r.action == "replanned")
+    assert threshold in first.note
+    if budget != "auto":
+        assert f"the plan moved from {before.achieved:.3f} to {approx.plan.achieved:.3f}" in first.note
     assert approx.plan.total_planned_flops > before.total_planned_flops
-    assert "re-planned at step 2" in approx.plan.note
+    assert f"re-planned at step {first.step}" in approx.plan.note
     state_before = {id(p): s["momentum_buffer"].clone() for p, s in optimizer.state.items()}
     _train(approx, x, y, 4, optimizer)
     assert {name: id(p) for name, p in approx.named_parameters()} == params
     assert list(approx.state_dict()) == keys
     assert set(state_before) == {id(p) for p in optimizer.state} == set(params.values())
-    later = approx.history[1:]
+    later = approx.history[approx.history.records.index(first) + 1:]
     if approx.plan.approximated:   # still sampled: the checks go on and measure less error
         assert later and all(r.model_error < first.model_error for r in later)
     else:   # re-planned to exact: every sampled module keeps all its pairs, nothing is left to check
@@ -111,7 +124,8 @@ def test_history_round_trips_through_json():
     again = TrainingHistory.from_dict(data)
     assert again.to_dict() == approx.history.to_dict()
     assert again[0].layers == approx.history[0].layers
-    text = str(approx.report)   # the report shows the last check, predicted beside measured per layer
+    assert "2 check(s)" in str(approx.report)   # the summary's guard line
+    text = approx.report.text(verbose=True)   # the last check, predicted beside measured per layer
     assert "guard: 2 check(s)" in text and "measured error (in the model)" in text
     assert json.loads(json.dumps(approx.report.to_dict()["history"])) == data
 

@@ -32,10 +32,13 @@ def approx():
 
 def test_report_text_rich_and_json(approx):
     text = str(approx.report)
-    for expected in ("stem", "conv", "fc", "min_channels=16", "budget asked 0.5", "achieved", "topk"):
+    for expected in ("stem", "min_channels=16", "0.5 asked", "of exact training FLOPs planned (met)", "forward topk ×2"):
         assert expected in text
+    assert "every layer\n" not in text   # the per-layer table (its title) is behind verbose
+    verbose = approx.report.text(verbose=True)
+    assert all(name in verbose for name in ("stem", "conv", "fc")) and "every layer" in verbose
     console = Console(record=True, width=200)
-    approx.report.show(console)
+    approx.report.show(console, verbose=True)
     assert "conv" in console.export_text()
     data = json.loads(json.dumps(approx.report.to_dict()))
     assert data["budget"] == 0.5 and data["budget_met"] is True
@@ -71,3 +74,30 @@ def test_export_requires_a_planned_approximated_module(tmp_path):
         fxapprox.export(CNN(), tmp_path)
     with pytest.raises(fxapprox.PlanNotReadyError):
         fxapprox.export(fxapprox.approximate(CNN(), 0.5, config=FLOPS), tmp_path)
+
+
+class Deep(nn.Module):
+    """Twelve narrow layers (reduce over 8 < min_channels) and two wide ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Linear(256, 256)
+        self.narrow = nn.ModuleList(nn.Linear(8, 8) for _ in range(12))
+        self.head = nn.Linear(256, 8)
+
+    def forward(self, x):
+        x = self.head(F.relu(self.wide(x)))
+        for layer in self.narrow:
+            x = F.relu(layer(x))
+        return x
+
+
+def test_report_groups_identical_reasons_and_fits_120_columns():
+    approx = fxapprox.approximate(Deep(), 0.9, example_inputs=(torch.randn(64, 256),), config=FLOPS)
+    text = str(approx.report)
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert text.count("reduces over 8 channels < min_channels=16") == 1
+    assert "12 layer(s): reduces over 8 channels < min_channels=16 (narrow.0, narrow.1, narrow.2 and 9 more)" in text
+    verbose = approx.report.text(verbose=True)
+    assert max(len(line) for line in verbose.splitlines()) <= 120
+    assert verbose.count("reduces over 8 channels") >= 12   # every layer's own row

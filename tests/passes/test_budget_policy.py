@@ -166,7 +166,8 @@ def _tower_with_measurements(errors: dict, speedups: dict | None = None, **confi
         layer = candidates_of(node)
         measured = tuple(dataclasses.replace(
             c, errors={"output": 0.0, "input_grad": 0.0, "weight_grad": errors[node.target] * (1 - c.keep_ratio)},
-            seconds=1.0, speedup=(speedups or {}).get(node.target, 2.0)) for c in layer.candidates)
+            seconds=1.0 / (speedups or {}).get(node.target, 2.0), speedup=(speedups or {}).get(node.target, 2.0))
+            for c in layer.candidates)
         node.meta[CANDIDATES_KEY] = dataclasses.replace(layer, candidates=measured, exact_seconds=1.0)
     return gm, config
 
@@ -177,7 +178,7 @@ def test_measured_policy_samples_the_layer_with_less_error_per_flop_first():
     gm, config = _tower_with_measurements({"a": 0.4, "b": 0.1})
     plan = plan_budget(gm, 0.88, "wta_crs", config)
     assert [d.node for d in plan.approximated] == ["b"], plan.note
-    assert "least error per FLOP saved" in plan.decision("b").reason
+    assert "least predicted time to a given loss per FLOP saved" in plan.decision("b").reason
     assert "not needed" in plan.decision("a").reason
     assert plan.budget_met and plan.achieved <= 0.88 + 1e-9
 
@@ -202,23 +203,42 @@ def test_measured_policy_raises_the_last_ratio_to_cut_no_more_than_the_budget_ne
     assert grid.get(above, 0.0) <= b.measured_errors["weight_grad"] <= grid[below]
 
 
-def test_measured_policy_stops_at_the_tolerance_and_says_so():
+def test_measured_policy_spends_the_budget_past_the_tolerance_and_warns():
     from fxapprox.passes import plan_budget
 
     gm, config = _tower_with_measurements({"a": 2.0, "b": 2.0}, max_grad_error=0.3)
-    plan = plan_budget(gm, 0.3, "wta_crs", config)
-    assert not plan.budget_met and plan.predicted_error <= 0.3 + 1e-9
-    assert "not reachable within max_grad_error=0.3" in plan.note
-    assert any("max_grad_error=0.3 reached" in d.reason for d in plan.layers if not d.approximate)
+    plan = plan_budget(gm, 0.75, "wta_crs", config)
+    assert plan.budget_met and plan.achieved <= 0.75 + 1e-9 and plan.predicted_error > 0.3
+    assert len(plan.warnings) == 1 and "max_grad_error=0.3" in plan.warnings[0]
 
 
-def test_measured_policy_leaves_layers_exact_whose_candidates_are_not_faster():
+def test_measured_policy_says_which_budget_is_out_of_reach_and_why():
     from fxapprox.passes import plan_budget
 
+    # weight-gradient sampling cuts at most a third of a layer's FLOPs: 0.3 cannot be reached
+    gm, config = _tower_with_measurements({"a": 0.1, "b": 0.1})
+    plan = plan_budget(gm, 0.3, "wta_crs", config)
+    assert not plan.budget_met and plan.lowest_reachable == pytest.approx(plan.achieved)
+    assert "budget 0.3 not reachable" in plan.note and "lowest-keep-ratio" not in plan.note
+    assert any("not reachable" in w for w in plan.warnings)
+    assert all(d.approximate for d in plan.layers)   # every layer at its lowest keep-ratio
+
+
+def test_measured_policy_takes_slower_candidates_only_where_the_budget_needs_them():
+    from fxapprox.passes import plan_budget
+
+    # b is fast and enough for 0.9: a, measured no faster, stays exact
     gm, config = _tower_with_measurements({"a": 0.1, "b": 0.1}, speedups={"a": 1.0})
-    plan = plan_budget(gm, 0.5, "wta_crs", config)
-    assert not plan.decision("a").approximate
+    plan = plan_budget(gm, 0.9, "wta_crs", config)
+    assert not plan.decision("a").approximate and plan.decision("b").approximate
     assert "no candidate measured faster than exact (best 1.00x < min_speedup=1.05)" in plan.decision("a").reason
+    assert not plan.warnings
+    # 0.8 needs both: a is sampled, and the plan says it was measured slower
+    gm, config = _tower_with_measurements({"a": 0.1, "b": 0.1}, speedups={"a": 1.0})
+    plan = plan_budget(gm, 0.8, "wta_crs", config)
+    assert plan.decision("a").approximate and plan.budget_met
+    assert "measured slower than min_speedup" in plan.decision("a").reason
+    assert any("measured slower than min_speedup=1.05 (a)" in w for w in plan.warnings)
 
 
 def test_config_round_trips_through_json_and_rejects_what_it_cannot_rebuild():
