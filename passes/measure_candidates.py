@@ -212,12 +212,14 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
 EXACT_STEP_KEY = "fxapprox_exact_step_seconds"
 
 
-def time_step(module: torch.nn.Module, forward, repeats: int) -> float:
-    """Median seconds of ``forward()`` and the backward of its projection loss to ``module``'s trainable parameters,
-    after one warm-up run."""
+def time_step(module: torch.nn.Module, forward, repeats: int, inputs=()) -> float:
+    """Median seconds of ``forward()`` and the backward of its projection loss to ``module``'s trainable parameters
+    and to the tensors among ``inputs`` that require a gradient (the layers' timed candidates compute their input
+    gradients too), after one warm-up run."""
     from fxapprox._projection import projection_loss
 
     parameters = [p for p in module.parameters() if p.requires_grad]
+    parameters += [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     synchronize = torch.cuda.synchronize if any(p.is_cuda for p in parameters) else (lambda: None)
     times = []
     for run in range(1 + repeats):
@@ -240,7 +242,7 @@ def cached_step_seconds(module: torch.nn.Module, inputs, forward, config: Approx
     cached = cache.get(key)
     if cached is not None:
         return cached["seconds"]
-    seconds = time_step(module, forward, config.measure_repeats)
+    seconds = time_step(module, forward, config.measure_repeats, inputs)
     cache.put(key, {"seconds": seconds})
     cache.save()
     return seconds
