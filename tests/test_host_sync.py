@@ -8,10 +8,18 @@ import torch._dynamo
 from torch import nn
 
 import fxapprox
+import fxapprox.ops.sampling
 from fxapprox.config import AUTO_METHODS
 from fxapprox.modules import ApproxConv2d, ApproxLinear, ApproxLSTM, ApproxMatmul, SamplingSpec
 
 STATIC_METHODS = ("topk", "crs", "wta_crs")
+
+
+@pytest.fixture(autouse=True)
+def _device_path(monkeypatch):
+    """The selectors' device path (what a GPU runs): on CPU tensors CRS and WTA-CRS otherwise select in NumPy,
+    where reading values on the host waits on nothing."""
+    monkeypatch.setattr(fxapprox.ops.sampling, "CPU_NUMPY", False)
 
 
 class _MatmulHolder(nn.Module):

@@ -8,8 +8,15 @@ import torch.nn.functional as F
 
 from fxapprox.ops import (backward_sampled_conv2d, backward_sampled_linear, sampled_conv2d, sampled_linear,
                           select_pairs)
+import fxapprox.ops.sampling
 from fxapprox.ops.sampling import (bernoulli_probabilities, crs_probabilities, inclusion_probabilities,
                                    systematic_sample, wta_crs_split)
+
+
+@pytest.fixture(params=[True, False], ids=["numpy path", "device path"])
+def selection_path(request, monkeypatch):
+    """CRS and WTA-CRS select on CPU tensors in NumPy, on other devices in torch: both must draw alike."""
+    monkeypatch.setattr(fxapprox.ops.sampling, "CPU_NUMPY", request.param)
 
 
 def _operands(rows=6, n=24, cols=5):
@@ -75,7 +82,7 @@ def _previous_variance(method: str, x, w, k) -> float:
 
 
 @pytest.mark.parametrize("method", ["crs", "bernoulli", "wta_crs"])
-def test_unbiased_and_variance_as_predicted(method):
+def test_unbiased_and_variance_as_predicted(method, selection_path):
     x, w = _operands()
     exact = x @ w.t()
     k, count = 8, 4000
@@ -98,7 +105,7 @@ def test_unbiased_and_variance_as_predicted(method):
 
 @pytest.mark.parametrize("method", ["crs", "wta_crs"])
 @pytest.mark.parametrize("skew", [0.0, 1.0, 3.0])
-def test_systematic_estimators_have_no_more_variance_than_the_previous_ones(method, skew):
+def test_systematic_estimators_have_no_more_variance_than_the_previous_ones(method, skew, selection_path):
     """At keep-ratios of 1/4 and above (the plans' grid) no more variance than the previous with-replacement
     estimators, which drew more than k times to keep k distinct pairs in expectation; at 1/12 that extra draw
     count gives the previous ones up to ~15% less variance (a fixed-size design cannot draw more pairs)."""
@@ -134,7 +141,7 @@ def test_inclusion_probabilities_and_systematic_sampling():
     assert kept.numel() == 3 and sorted(kept[scale > 0].tolist()) == [0, 1] and (scale[scale > 0] == 1).all()
 
 
-def test_wta_crs_keeps_the_winners_and_beats_crs_on_skewed_pairs():
+def test_wta_crs_keeps_the_winners_and_beats_crs_on_skewed_pairs(selection_path):
     torch.manual_seed(5)
     n, k = 64, 16
     x = torch.randn(8, n) * torch.logspace(-2, 1, n)   # a few columns carry most of the mass
@@ -159,14 +166,14 @@ def test_wta_crs_keeps_the_winners_and_beats_crs_on_skewed_pairs():
 
 
 @pytest.mark.parametrize("method", ["topk", "crs", "wta_crs"])
-def test_static_methods_keep_exactly_k_pairs(method):
+def test_static_methods_keep_exactly_k_pairs(method, selection_path):
     for scores in (torch.rand(100), torch.ones(100), torch.logspace(-3, 3, 100), torch.zeros(100)):
         for k in (1, 7, 50, 99):
             kept, _ = select_pairs(method, scores, k)
             assert kept.numel() == k
 
 
-def test_wta_crs_edge_cases():
+def test_wta_crs_edge_cases(selection_path):
     kept, scale = select_pairs("wta_crs", torch.zeros(10), 4)            # no mass anywhere: uniform draws
     assert kept.numel() == 4 and kept.unique().numel() == 4 and torch.isfinite(scale).all()
     kept, scale = select_pairs("wta_crs", torch.tensor([5.0, 0.0, 0.0, 0.0]), 2)   # the winner holds it all
@@ -221,7 +228,7 @@ def test_unbiased_methods_on_conv(method):
     assert (mean - exact).norm() / exact.norm() < 0.05
 
 
-def test_all_zero_columns_with_unbiased_methods():
+def test_all_zero_columns_with_unbiased_methods(selection_path):
     for method in ("crs", "bernoulli"):
         x = torch.zeros(4, 16, requires_grad=True)
         w = torch.randn(8, 16, requires_grad=True)

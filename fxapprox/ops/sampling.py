@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from fxapprox._validate import check_share
@@ -168,14 +169,52 @@ def _sorted_inclusion(ordered: torch.Tensor, k: int, first: torch.Tensor | None 
     return torch.where(positions < m, 1.0, (scale * ordered).clamp_(max=1.0))
 
 
-def _sample_sorted(weights: torch.Tensor, k: int, first_of=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Systematic PPS sampling of ``k`` pairs with :func:`_sorted_inclusion`'s probabilities of ``weights``
-    (``first_of(sorted weights)`` gives the pairs kept surely at the least); ``(kept sorted, scales)``."""
+#: whether CRS and WTA-CRS select on CPU tensors in NumPy (:func:`_sample_sorted_cpu`); the torch path, which every
+#: other device takes, stays sync-free and compiles (the tests switch this off to check it on a CPU)
+CPU_NUMPY = True
+
+
+def _sample_sorted(weights: torch.Tensor, k: int, winners: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Systematic PPS sampling of ``k < n`` pairs with :func:`_sorted_inclusion`'s probabilities of ``weights``
+    (non-negative fp32, not all zero); with ``winners``, WTA-CRS's winners (:func:`wta_crs_split`) are kept surely
+    at the least. ``(kept sorted, scales)``."""
+    if weights.device.type == "cpu" and CPU_NUMPY and not torch.compiler.is_compiling():
+        return _sample_sorted_cpu(weights, k, winners)
     ordered, order = torch.sort(weights, descending=True)
-    first = None if first_of is None else first_of(ordered)
+    first = wta_crs_split(ordered / ordered.sum(), k) if winners else None
     picked, scale = _systematic(_sorted_inclusion(ordered, k, first), k)
     kept, by_index = order[picked].sort()
     return kept, scale[by_index]
+
+
+def _sample_sorted_cpu(weights: torch.Tensor, k: int, winners: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sample_sorted` on a CPU tensor, computed in NumPy.
+
+    The same probabilities and the same draw (the random order and offset come from torch's generator, so seeds,
+    forked generators and ranks drawing alike behave as on the torch path); NumPy because a selection is ~35 ops
+    on a few thousand numbers, where torch's per-op dispatch (~4–6 µs from Python) is the whole cost: 50–140 µs
+    per selection against 200–310 µs, in every backward-sampled layer of every step."""
+    w = weights.detach().numpy()
+    n = w.size
+    order = np.argsort(-w, kind="stable")
+    ordered = w[order].astype(np.float64)
+    tail = np.cumsum(ordered[::-1])[::-1][: k + 1]                       # Σ_{j≥m} w_j for m = 0..k
+    clamped = np.arange(k + 1)
+    fits = ((k - clamped) * ordered[: k + 1] <= (1.0 + 1e-6) * tail) | (tail <= 0)
+    if winners:   # wta_crs_split: argmin over c < k of (1 − Σ_{top c} p) / (k − c), with 1 − Σ_{top c} p = T_c / T_0
+        fits &= clamped >= int(np.argmin(tail[:k] / np.arange(k, 0, -1)))
+    m = int(np.argmax(fits))
+    probabilities = np.minimum((k - m) / tail[m] * ordered, 1.0) if tail[m] > 0 else np.zeros(n)
+    probabilities[:m] = 1.0
+    shuffle = torch.randperm(n).numpy()
+    offset = torch.rand((), dtype=torch.float64).item()
+    ends = np.cumsum(probabilities[shuffle])
+    points = offset + np.arange(k)
+    picked = shuffle[np.minimum(np.searchsorted(ends, points, side="right"), n - 1)]
+    scale = np.where(points < ends[-1], 1.0 / np.maximum(probabilities[picked], np.finfo(np.float32).tiny), 0.0)
+    kept = order[picked]
+    by_index = np.argsort(kept, kind="stable")
+    return torch.from_numpy(kept[by_index]), torch.from_numpy(scale[by_index].astype(np.float32))
 
 
 @register_method("crs")
@@ -233,7 +272,7 @@ def select_wta_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> t
     weights = torch.where(weights.sum() > 0, weights, torch.ones_like(weights))   # all zero: uniform
     # The winners are the first c of the sorted weights; p need not be normalised for the split (the bound's
     # argmin is the same for w / Σw), and the others' probabilities are _sorted_inclusion's with at least c sure.
-    return _sample_sorted(weights, k, first_of=lambda ordered: wta_crs_split(ordered / ordered.sum(), k))
+    return _sample_sorted(weights, k, winners=True)
 
 
 def select_pairs(method: str, scores: torch.Tensor, k: int,
