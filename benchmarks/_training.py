@@ -3,12 +3,12 @@
 A configuration is a label:
 
 * ``exact`` — the plain model;
-* ``B`` (a number) — ``fxapprox.approximate(model, B)``: the defaults (the pay-off model, the guard);
-* ``B-guard`` — the same with the guard off (``check_every=None``);
-* ``B spent`` — the budget spent regardless of the pay-off model (``min_gain=None``), guard off: what the
-  measured policy did before it had a pay-off model;
-* ``B spent+guard`` — the same with the default guard (which then acts on the tolerance only);
-* ``auto`` — ``fxapprox.approximate(model, "auto")``;
+* ``B`` (a number) — ``fxapprox.approximate(model, B)``: the budget spent, the default guard (which re-plans a
+  numeric budget only past ``divergence_error``);
+* ``B-guard`` or ``B spent`` — the same with the guard off (``check_every=None``): what sampling does alone;
+* ``B spent+guard`` — the same as ``B``;
+* ``auto`` — ``fxapprox.approximate(model, "auto")`` (the default: the pay-off model chooses, the guard holds it
+  to ``max_grad_error`` and ``min_gain``);
 * ``fixed MODE METHOD RATIO`` — every eligible layer pinned to one mode, method and keep-ratio (no timing, no
   tolerance), the guard measuring only (``check_replan=False``, every 10 steps): calibration points.
 
@@ -41,9 +41,7 @@ def approximate(model: nn.Module, label: str, example: tuple) -> nn.Module:
                                     config=ApproxConfig(check_verbose=False))
     budget, _, variant = label.partition(" ")
     guard = not label.endswith("-guard") and (not variant or variant.endswith("+guard"))
-    defaults = ApproxConfig()
-    config = ApproxConfig(check_verbose=False, check_every=defaults.check_every if guard else None,
-                          min_gain=None if variant.startswith("spent") else defaults.min_gain)
+    config = ApproxConfig(check_verbose=False, check_every=ApproxConfig().check_every if guard else None)
     return fxapprox.approximate(model, float(budget.removesuffix("-guard")), example_inputs=example, config=config)
 
 

@@ -8,9 +8,9 @@ are reported apart):
   the loss the plan reached at step ``s``; the median over the second half of the run) against the error the
   guard measured for the plan's family (``passes/payoff.py``): ``cost = (m − 1) / e²``. Prints the fits;
   ``ApproxConfig.backward_error_cost`` and ``forward_error_cost`` are set from them.
-* ``compare`` — exact / the default ``approximate(model, 0.5)`` (pay-off model and guard) / ``budget="auto"`` /
-  budget 0.5 spent regardless of the pay-off model (``min_gain=None``) with the guard off and on (labels:
-  ``benchmarks/_training.py``), several batch orders, interleaved by seed: validation loss at equal steps and at equal
+* ``compare`` — exact / the default ``approximate(model)`` (``budget="auto"``: the pay-off model and the guard) /
+  ``approximate(model, 0.5)`` (the budget spent) with the guard on and off (labels: ``benchmarks/_training.py``),
+  several batch orders, interleaved by seed: validation loss at equal steps and at equal
   wall-clock (planning counts), the time each reaches exact's final loss (÷ exact's time), planning seconds,
   guard overhead, re-plans; and a plot of measured vs predicted error over training.
 * ``methods`` — the flat MLP (``bench_planner``'s setup, 60 steps): every method at ``budget=0.5`` with
@@ -48,7 +48,7 @@ FIXED = {
     "digits_cnn": ["fixed forward topk 0.5", "fixed weight_grad crs 0.5", "fixed backward crs 0.5"],
     "char_transformer": ["fixed forward topk 0.5", "fixed weight_grad wta_crs 0.5"],
 }
-COMPARED = ["exact", "0.5", "auto", "0.5 spent", "0.5 spent+guard"]
+COMPARED = ["exact", "auto", "0.5", "0.5 spent"]
 
 
 def _log(message: str) -> None:
@@ -207,8 +207,8 @@ def summary(results: dict, write: bool) -> None:
             for label in COMPARED[1:]:
                 loss = loss_at(mean_curve([r["curve"] for r in runs[label]]), clock)
                 row.append(f"{loss:.4f} ({loss / exact[-1][2] - 1:+.1%})")
-            default = runs["0.5"][0]
-            row += [f"{statistics.mean(r['planning_s'] for r in runs['0.5']):.1f} / {clock:.0f}",
+            default = runs["auto"][0]
+            row += [f"{statistics.mean(r['planning_s'] for r in runs['auto']):.1f} / {clock:.0f}",
                     f"{default['planned_flops']:.2f}"]
             rows.append(row)
     report_tables([("Validation loss at exact's wall-clock (its final time), mean curve of the batch orders; in "
@@ -227,7 +227,7 @@ def _plot(results, write: bool) -> None:
 
     for name in (n for n in ("char_transformer", "resnet18") if n in results):
         figure, axis = plt.subplots(figsize=(6.5, 4))
-        for label, colour in (("0.5 spent+guard", "tab:orange"), ("0.5", "tab:blue"), ("auto", "tab:green")):
+        for label, colour in (("0.5", "tab:blue"), ("auto", "tab:green")):
             records = results[name][label][0].get("history", {}).get("records", [])
             if not records:
                 continue
@@ -251,9 +251,7 @@ def methods(seeds, write: bool) -> None:
     """``bench_planner``'s flat MLP (60 steps): each method at ``budget=0.5`` with ``check_every=10``."""
     from bench_planner import MLP, _mlp_data, _train_mlp
 
-    settings = [(m, None, gain) for gain in (ApproxConfig().min_gain, None)
-                for m in ("topk", "crs", "bernoulli", "wta_crs")]
-    settings += [("auto", "backward", gain) for gain in (ApproxConfig().min_gain, None)]
+    settings = [(m, None, None) for m in ("topk", "crs", "bernoulli", "wta_crs")] + [("auto", "backward", None)]
     rows, exact_losses, results = [], [], {s: [] for s in settings}
     for seed in seeds:
         data = _mlp_data(seed + 1)
@@ -272,7 +270,7 @@ def methods(seeds, write: bool) -> None:
     exact = statistics.mean(exact_losses)
     for (method, mode, gain), runs in results.items():
         loss = statistics.mean(r[0] for r in runs)
-        label = method + (f", mode={mode}" if mode else "") + ("" if gain else ", min_gain=None (spent)")
+        label = method + (f", mode={mode}" if mode else "")
         rows.append([label, f"{max(r[1] for r in runs):.2f}",
                      f"{max(r[2] for r in runs):.2f}", str(sum(r[3] for r in runs)), f"{exact:.3f}", f"{loss:.3f}",
                      f"{loss / exact - 1:+.1%}", runs[0][4][:140]])

@@ -8,13 +8,16 @@ between runs, far less within a round). The **Amdahl bound** is what a plan exec
 reach when only the FLOP-counted kernels (GEMMs, convolutions, attention) shrink and everything else (norms,
 activations, the loss, the optimizer) costs what it costs: ``1 / (1 − s·(1 − f))``, ``s`` their share of the exact
 step's time (``torch.profiler`` self time). "Share of bound" is the measured speed-up's fraction of it. "Predicted"
-is the plan's own step speed-up prediction (the measured policy's pay-off model). "norms+selection" is the share
+is the plan's own step speed-up (the measured policy times the planned step against the exact one on the example
+batch, forward and backward, when it plans). "norms+selection" is the share
 of the approximate step spent scoring and choosing pairs of forward-sampled layers.
 
 Cases: ``Linear(2048, 2048)`` on 512 rows and ``Conv2d(256, 256, 3)`` on 16×256×28², each with the default measured
 plan and with the FLOP-ranked forward top-k plan (the papers' op); ResNet-50 at batch 16, 160²; the character
 transformer of ``examples/char_transformer.py`` (4 blocks, d=256, 16×128 tokens) and the Hugging Face Llama LM of
-``examples/llama_lm.py`` (6 blocks, d=384, 8×128 tokens), with the default plan.
+``examples/llama_lm.py`` (6 blocks, d=384, 8×128 tokens), each with the default measured plan and with the measured
+plan restricted to forward sampling (``ApproxConfig(mode="forward")``). The default plan's modes are the pay-off
+model's choice; the forward rows show what the sampled ops give where every sampled GEMM shrinks.
 
 Usage: python benchmarks/bench_sampled_ops.py [--repetitions 15] [--budgets 0.5] [--cases linear,conv,...] [--write]
 ``--write`` puts the table into BENCHMARKS.md (section ``sampled_ops``) and docs/speed.md.
@@ -99,8 +102,9 @@ def flop_kernel_share(step, steps: int = 3) -> float:
 def run_case(name, make_model, inputs, loss_fn, budget, policy, repetitions):
     torch.manual_seed(0)
     exact = make_model().train()
-    config = fxapprox.ApproxConfig(policy="flops", check_every=None) if policy == "flops" \
-        else fxapprox.ApproxConfig(check_every=None)
+    config = {"flops": fxapprox.ApproxConfig(policy="flops", check_every=None),
+              "forward": fxapprox.ApproxConfig(mode="forward", check_every=None),
+              "measured": fxapprox.ApproxConfig(check_every=None)}[policy]
     start = time.perf_counter()
     approx = fxapprox.approximate(exact, budget, example_inputs=inputs, method="topk" if policy == "flops" else "auto",
                                   config=config)
@@ -118,7 +122,8 @@ def run_case(name, make_model, inputs, loss_fn, budget, policy, repetitions):
     return {"case": name, "policy": policy, "budget": budget, "achieved": plan.achieved,
             "exact_s": statistics.median(samples["exact"]), "approx_s": approx_s, "speedup": speedup,
             "flop_limit": 1.0 / plan.achieved, "share": share, "bound": bound, "of_bound": speedup / bound,
-            "predicted": plan.predicted_speedup, "overhead": selection / approx_s, "planning": planning,
+            "predicted": plan.measured_speedup or plan.predicted_speedup, "overhead": selection / approx_s,
+            "planning": planning,
             "sampled": f"{len(plan.approximated)}/{len(plan.layers)}", "modes": ", ".join(modes) or "-"}
 
 
@@ -152,14 +157,17 @@ def cases(selected: set):
             yield ("Conv2d(256, 256, 3), 16x256x28x28", lambda: nn.Conv2d(256, 256, 3, padding=1), (conv_x,),
                    lambda y: y.pow(2).mean(), policy)
     if "resnet50" in selected:
-        yield ("ResNet-50, batch 16, 3x160x160", lambda: torchvision.models.resnet50(), (resnet_x,),
-               lambda y: F.cross_entropy(y, labels), "measured")
+        for policy in ("measured", "forward"):
+            yield ("ResNet-50, batch 16, 3x160x160", lambda: torchvision.models.resnet50(), (resnet_x,),
+                   lambda y: F.cross_entropy(y, labels), policy)
     if "char_transformer" in selected:
         build, inputs, loss = _char_transformer()
-        yield "char transformer (examples), d=256, 4 blocks, 16x128", build, inputs, loss, "measured"
+        for policy in ("measured", "forward"):
+            yield "char transformer (examples), d=256, 4 blocks, 16x128", build, inputs, loss, policy
     if "llama" in selected:
         build, inputs, loss = _llama_lm()
-        yield "Llama LM (examples, HF), d=384, 6 blocks, 8x128", build, inputs, loss, "measured"
+        for policy in ("measured", "forward"):
+            yield "Llama LM (examples, HF), d=384, 6 blocks, 8x128", build, inputs, loss, policy
 
 
 HEADERS = ["case", "plan", "budget", "planned FLOPs", "sampled", "exact ms", "approx ms", "speed-up",

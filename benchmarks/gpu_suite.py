@@ -4,7 +4,7 @@ Runs, on the first CUDA device:
 
 1. ``pytest -m cuda`` (the tests marked ``cuda``: autocast on the GPU, ``fxapprox.bench`` on the GPU);
 2. sampled ops: a 3 × Linear(4096) MLP, a Conv2d stack and ResNet-50, exact against ``approximate(model, b)``
-   at b = 0.5 and 0.25 (the measured plan with the budget spent, ``min_gain=None``), eager and compiled
+   at b = 0.5 and 0.25 (the default measured plan, which spends the budget), eager and compiled
    (inductor), train-step times (forward + backward + SGD) in interleaved rounds;
 3. compressed activations on ResNet-50 and the char transformer (``memory_budget`` 0.25 and 0.125): planned
    bytes, peak ``torch.cuda.max_memory_allocated`` of a step, step time against exact;
@@ -41,9 +41,9 @@ import fxapprox  # noqa: E402
 from fxapprox.modules import ApproxLSTM, SamplingSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPENT = fxapprox.ApproxConfig(check_every=None, min_gain=None)
+SPENT = fxapprox.ApproxConfig(check_every=None)
 #: every eligible layer sampled (no timing filter): the sync check must see sampled ops at any size
-EVERY_LAYER = fxapprox.ApproxConfig(check_every=None, min_gain=None, min_speedup=None)
+EVERY_LAYER = fxapprox.ApproxConfig(check_every=None, min_speedup=None)
 
 
 class Suite:

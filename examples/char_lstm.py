@@ -11,8 +11,8 @@ initial weights and batches under each configuration:
 * **mixed** — the same, with :class:`fxapprox.SparseThenDense`: sparse for the
   first ¾ of the steps, exact for the last ¼;
 * **measured 0.5** / **measured 0.7** — ``approximate(model, budget)`` with the default
-  measured policy, nothing excluded: it decides from measured errors and speed; the budget is
-  spent (``min_gain=None``: no pay-off check) and there is no guard.
+  measured policy, nothing excluded: it decides from measured errors and speed how to spend the
+  budget; there is no guard.
 
 It prints validation loss (exact evaluation) at equal steps and at equal
 wall-clock and, with matplotlib installed, writes a PNG of the curves.
@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
         result: dict = {}
         if label != "dense":
             if label.startswith("measured"):
-                measured = fxapprox.ApproxConfig(lstm_block_steps=args.block_steps, min_gain=None, check_every=None)
+                measured = fxapprox.ApproxConfig(lstm_block_steps=args.block_steps, check_every=None)
                 model = fxapprox.approximate(model, float(label.split()[1]), example_inputs=example, config=measured)
             else:
                 model = fxapprox.approximate(model, args.budget, example_inputs=example, config=config)

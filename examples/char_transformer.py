@@ -9,8 +9,7 @@ batches are trained under each configuration:
 * ``flops 0.5`` — ``approximate(model, 0.5, config=ApproxConfig(policy="flops"))``:
   the FLOP-ranked plan (every layer at one common keep-ratio), the old default;
 * ``measured 0.5`` / ``measured 0.7`` — ``approximate(model, budget)``: the measured
-  plan (errors and speed of every candidate on the example batch), spending the budget
-  (``min_gain=None``: without it the pay-off check keeps this model exact; no guard);
+  plan (errors and speed of every candidate on the example batch) spending the budget; no guard;
 * ``memory 0.125`` / ``memory-width 0.125`` (with ``--configs``) — ``memory_budget=0.125``
   with the widths chosen by measured gradient error, or widest-first (the old policy);
   "planned FLOPs" is then the planned fraction of saved-activation bytes.
@@ -130,8 +129,7 @@ def _approximate(model: nn.Module, label: str, example: tuple, result: dict, ann
                                      config=fxapprox.ApproxConfig(activation_policy=policy, progress=True))
     else:
         model = fxapprox.approximate(model, float(budget), example_inputs=example,
-                                     config=fxapprox.ApproxConfig(policy=kind, progress=True, min_gain=None,
-                                                                  check_every=None))
+                                     config=fxapprox.ApproxConfig(policy=kind, progress=True, check_every=None))
     plan = model.plan
     note = plan.note if plan.memory is None else plan.memory.note
     result.update(achieved=plan.achieved if plan.memory is None else plan.memory.achieved,

@@ -5,8 +5,7 @@ downloaded. Every configuration trains from the same initial weights and the
 same batches for a given seed; evaluation is exact (``eval()``):
 
 * ``exact``; ``flops 0.5`` — the FLOP-ranked plan (one common keep-ratio, the old default);
-* ``measured 0.5`` / ``measured 0.7`` — the measured plan (the default policy) spending the budget: ``min_gain=None``
-  (no pay-off check; with it these plans are predicted not to pay and the model trains exactly) and no guard;
+* ``measured 0.5`` / ``measured 0.7`` — the measured plan (the default policy) spending the budget; no guard;
 * ``memory 0.125`` — ``memory_budget=0.125`` (saved activations at ~4 bits, widths by measured error).
 
 It prints each plan's note, the final test loss and accuracy (mean ± std over seeds),
@@ -82,7 +81,7 @@ def train(config: dict, seed: int, data: tuple, epochs: int, batch: int) -> tupl
         model = fxapprox.approximate(model, config.get("budget", 1.0), memory_budget=config.get("memory_budget"),
                                      example_inputs=(x[:batch],),
                                      config=fxapprox.ApproxConfig(policy=config.get("policy", "measured"),
-                                                                  min_gain=None, check_every=None))
+                                                                  check_every=None))
         plan = model.plan
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     curve = [(0.0, 0, *evaluate(model, x_test, y_test))]

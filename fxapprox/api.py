@@ -85,6 +85,8 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         if untraced:
             plan = dataclasses.replace(plan, untraced=untraced)
         rewrite_sampled_ops(self, plan)
+        with measurement_sandbox(self):
+            plan = self._measure_planned_step(plan, inputs, lambda: self.forward(*inputs))
         if memory_planned(state.memory_budget, config):
             plan = plan_saved_activations(self, inputs, plan, state, config)
         state.plan = plan

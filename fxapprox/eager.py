@@ -94,6 +94,9 @@ class ApproxModel(ApproxRuntime):
             plan = plan_saved_activations(planning, inputs, plan, state, config)
         install_regions(self, planning, capture)
         state.planning = planning
+        with measurement_sandbox(self), self._exact_calls():
+            plan = self._measure_planned_step(plan, (args, kwargs),
+                                              lambda: super(ApproxRuntime, self).__call__(*args, **kwargs))
         state.plan = plan
         state.report = Report(plan, state.model_name, _shapes(args) + _shapes(kwargs.values()),
                                  state.history)

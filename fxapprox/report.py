@@ -277,9 +277,12 @@ def _sampled_text(plan: Plan) -> str:
 def _predicted_text(plan: Plan) -> str:
     parts = []
     if plan.predicted_speedup is not None and plan.predicted_steps is not None:
-        gain = plan.predicted_gain or 0.0
+        speedup = plan.measured_speedup or plan.predicted_speedup
+        gain = speedup / plan.predicted_steps
         timing = f"{gain:.2f}x sooner" if gain >= 1 else f"{1 / gain:.2f}x later" if gain > 0 else "never"
-        parts.append(f"{plan.predicted_speedup:.2f}x faster per step, {plan.predicted_steps:.2f}x the steps: "
+        measured = "" if plan.measured_speedup is None else \
+            f" (measured on the example batch; the layers' timings add up to {plan.predicted_speedup:.2f}x)"
+        parts.append(f"{speedup:.2f}x faster per step{measured}, {plan.predicted_steps:.2f}x the steps: "
                      f"{timing} to the same loss than exact training")
     if plan.predicted_error is not None and plan.approximated:
         tolerance = plan.config.get("max_grad_error")

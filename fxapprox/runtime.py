@@ -23,6 +23,7 @@ from fxapprox.guard import (CheckRecord, CheckStep, LayerCheck, TrainingHistory,
                             owner_groups)
 from fxapprox.model_state import ModelState
 from fxapprox.modules import APPROX_MODULE_TYPES, SamplingSpec
+from fxapprox.passes.measure_candidates import planned_step_speedup
 from fxapprox.passes.payoff import gain_model
 from fxapprox.passes.candidates import parameterised
 from fxapprox.passes.replan import calibrated_error, calibration, predicted_families, replan
@@ -349,6 +350,22 @@ class ApproxRuntime:
             if isinstance(module, APPROX_MODULE_TYPES):
                 module.fxapprox_enabled = enabled
         return self
+
+    def _set_sampling(self, enabled: bool) -> None:
+        """Switch every sampled op on or off without changing ``set_approximate``'s setting (the planned step's
+        timing compares the two)."""
+        for module in self.modules():
+            if isinstance(module, APPROX_MODULE_TYPES):
+                module.fxapprox_enabled = enabled
+
+    def _measure_planned_step(self, plan: Plan, inputs, forward) -> Plan:
+        """``plan`` with its step speed-up measured on the example batch, where the measured policy timed its
+        candidates and something is sampled."""
+        config: ApproxConfig = self._fxapprox_state.config
+        if not plan.approximated or config.policy != "measured" or config.min_speedup is None:
+            return plan
+        speedup = planned_step_speedup(self, inputs, forward, self._set_sampling, plan.fingerprint(), config)
+        return plan.with_measured_speedup(speedup)
 
     def _portable_state(self) -> ModelState:
         """The state without the check in flight (its hooks belong to this module's tensors)."""

@@ -12,8 +12,8 @@ The pipeline, one file per stage; each pass writes a typed record under its own 
 3. ``rank`` — order sampleable layers, widest and most expensive first
 4. ``candidates`` (4a) — blockers and the candidate grid per layer (from the op-kind registry,
    ``fxapprox/op_kinds.py``); ``measure_candidates`` (4b) — each candidate's errors and speed on the
-   example batch; ``budget_policy`` (4c) — the explicit :class:`fxapprox.plan.Plan` (``error_model``,
-   ``payoff``, ``interpolation``, ``fixed_ratio_policy``); ``input_saving`` (4d) — what each forward-sampled
+   example batch; ``budget_policy`` (4c) — the explicit :class:`fxapprox.plan.Plan` (``measured_policy``,
+   ``error_model``, ``payoff``, ``interpolation``, ``fixed_ratio_policy``, ``plan_note``); ``input_saving`` (4d) — what each forward-sampled
    layer keeps of its input for backward (the input itself or its kept columns)
 5. ``rewrite`` — swap planned nodes for sampled ops (Linear, Conv2d, LSTM, …)
 
@@ -25,7 +25,8 @@ With a ``memory_budget`` (compressed saved activations), after the rewrite (``fx
    ``saved_values`` is its model of the values); ``rewrite_saved`` (6e) — a ``compress_saved`` marker after
    each planned value
 
-During training, ``replan`` makes the compute plan again from the guard's measurements.
+During training, ``replan`` makes the compute plan again from the guard's measurements (under ``budget="auto"``
+past ``max_grad_error`` or when the plan stops paying; under a numeric budget past ``divergence_error``).
 """
 
 from fxapprox.passes.budget_policy import plan_budget

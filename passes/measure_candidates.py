@@ -53,7 +53,8 @@ from fxapprox.records import CANDIDATES_KEY, Candidate, candidates_of, kind_of, 
 from fxapprox.passes._upstream import ErrorAccumulator, call_node, capture_upstream, total_norm
 from fxapprox.passes.candidates import parameterised
 
-__all__ = ["EXACT_STEP_KEY", "cached_step_seconds", "measure_candidates", "time_exact_step", "time_step"]
+__all__ = ["EXACT_STEP_KEY", "cached_step_seconds", "measure_candidates", "planned_step_speedup", "time_exact_step",
+           "time_step"]
 
 #: methods whose runs differ only by top-k's small random share: one run measures their error
 _DETERMINISTIC = ("topk",)
@@ -212,24 +213,24 @@ def _measure_node(gm, node, inputs, grads, config: ApproxConfig, timings: dict, 
 EXACT_STEP_KEY = "fxapprox_exact_step_seconds"
 
 
-def time_step(module: torch.nn.Module, forward, repeats: int, inputs=()) -> float:
+def time_step(module: torch.nn.Module, forward, repeats: int, inputs=(), warmup: bool = True) -> float:
     """Median seconds of ``forward()`` and the backward of its projection loss to ``module``'s trainable parameters
     and to the tensors among ``inputs`` that require a gradient (the layers' timed candidates compute their input
-    gradients too), after one warm-up run."""
+    gradients too), after one warm-up run (``warmup=False``: one timed run, no warm-up)."""
     from fxapprox._projection import projection_loss
 
     parameters = [p for p in module.parameters() if p.requires_grad]
     parameters += [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     synchronize = torch.cuda.synchronize if any(p.is_cuda for p in parameters) else (lambda: None)
     times = []
-    for run in range(1 + repeats):
+    for run in range(1 + repeats if warmup else max(1, repeats)):
         synchronize()
         start = time.perf_counter()
         loss = projection_loss(forward())
         if loss.requires_grad and parameters:
             torch.autograd.grad(loss, parameters, allow_unused=True)
         synchronize()
-        if run:
+        if run or not warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -246,6 +247,36 @@ def cached_step_seconds(module: torch.nn.Module, inputs, forward, config: Approx
     cache.put(key, {"seconds": seconds})
     cache.save()
     return seconds
+
+
+def planned_step_speedup(module: torch.nn.Module, inputs, forward, set_sampling, fingerprint: str,
+                         config: ApproxConfig, rounds: int = 4) -> float:
+    """The planned step's measured speed-up: exact ÷ sampled forward + backward of the projection loss on the
+    example inputs, in interleaved rounds (the median of the per-round ratios; the machine drifts between runs, far
+    less within a round), after a warm-up round. ``set_sampling(bool)`` switches the rewritten model's sampled ops
+    on and off. Read from the timing cache when this module, inputs and plan (``fingerprint``) were timed on this
+    machine before. It is what the plan predicts for a training step: the layers' isolated timings add up to it only
+    roughly (a layer's saving inside the step differs from its saving alone)."""
+    cache = TimingCache.for_config(config.timing_cache, _device_of(inputs))
+    key = step_key(module, inputs) + f":plan {fingerprint}:{rounds}"
+    cached = cache.get(key)
+    if cached is not None:
+        return cached["speedup"]
+    ratios = []
+    try:
+        for round_index in range(1 + rounds):
+            seconds = {}
+            for sampling in (False, True):
+                set_sampling(sampling)
+                seconds[sampling] = time_step(module, forward, 0, inputs, warmup=False)
+            if round_index:
+                ratios.append(seconds[False] / seconds[True])
+    finally:
+        set_sampling(True)
+    speedup = statistics.median(ratios)
+    cache.put(key, {"speedup": speedup})
+    cache.save()
+    return speedup
 
 
 def time_exact_step(gm: torch.fx.GraphModule, example_inputs: tuple, config: ApproxConfig) -> float:

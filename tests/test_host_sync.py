@@ -133,8 +133,8 @@ MODELS = {
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_default_plan_compiles_whole_forward_and_backward(name):
-    """The default measured plan (budget spent so that layers are sampled: ``min_gain=None``) of an MLP, a
-    ResNet-18 and the char transformer under ``torch.compile(fullgraph=True)``, forward and backward."""
+    """The default measured plan of a numeric budget (spent: layers are sampled) of an MLP, a ResNet-18 and the
+    char transformer under ``torch.compile(fullgraph=True)``, forward and backward."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
