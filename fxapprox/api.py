@@ -16,6 +16,7 @@ from torch import nn
 
 from fxapprox._validate import check_choice, check_fraction
 from fxapprox.analysis import analyse, measurement_sandbox
+from fxapprox.compute_plan import make_compute_plan
 from fxapprox.config import ApproxConfig
 from fxapprox.eager import approximate_eager
 from fxapprox.errors import TraceError
@@ -23,9 +24,8 @@ from fxapprox.graph_pickle import reduce_graph_module
 from fxapprox.memory_planning import memory_planned, plan_saved_activations
 from fxapprox.ops.attention import as_in_compressed_training
 from fxapprox.ops.sampling import METHODS
-from fxapprox.passes.budget_policy import AUTO_BUDGET, plan_budget
+from fxapprox.passes.budget_policy import AUTO_BUDGET
 from fxapprox.passes.candidates import enumerate_candidates
-from fxapprox.passes.input_saving import plan_input_saving
 from fxapprox.passes.measure_candidates import measure_candidates
 from fxapprox.passes.measure_saved import measure_saved_values
 from fxapprox.passes.memory_policy import memory_candidates, plan_memory
@@ -36,7 +36,6 @@ from fxapprox.passes.trace import UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
 from fxapprox.report import Report
-from fxapprox.ranks import agreed_plan
 from fxapprox.model_state import ModelState
 from fxapprox.runtime import ApproxRuntime, _shapes
 
@@ -79,8 +78,7 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         if config.policy == "measured" and (state.budget == AUTO_BUDGET or state.budget < 1.0):
             with measurement_sandbox(self):
                 measure_candidates(self, *inputs, config=config, progress=config.progress)
-        plan = agreed_plan(self, plan_input_saving(self, plan_budget(self, state.budget, state.method, config)),
-                           state)
+        plan = make_compute_plan(self, inputs, state, config)
         untraced = tuple(u.to_dict() for u in self.meta.get(UNTRACED_KEY, ()))
         if untraced:
             plan = dataclasses.replace(plan, untraced=untraced)

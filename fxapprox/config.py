@@ -121,6 +121,11 @@ class ApproxConfig:
       under ``budget="auto"`` when the error passes ``max_grad_error`` or the plan stops
       paying, under a numeric budget only when it passes ``divergence_error``. An exact
       plan is never checked. ``None``: no guard.
+    - ``plan_check``: before training, run the measured policy's plan on the example batch against
+      exact training (forward and backward, as the guard does) and, where a family of
+      approximation shows more error than predicted, make the plan again with its candidates'
+      errors scaled by the measured factor (``passes/check_plan.py``; a stack of backward-sampled
+      layers compounds its noise far past the layers' isolated errors).
     - ``divergence_error``: the calibrated model-gradient error past which the guard
       re-plans a numeric budget (the approximate gradient is then farther from the exact
       one than the exact one is from zero); the re-plan moves the plan no further from
@@ -198,6 +203,7 @@ class ApproxConfig:
     backward_error_cost: float = 4.4
     forward_error_cost: float = 67.0
     check_every: int | None = 50
+    plan_check: bool = True
     divergence_error: float = 1.0
     check_replan: bool = True
     check_verbose: bool = True
@@ -286,7 +292,7 @@ class ApproxConfig:
         if self.check_every is not None:
             check_int("check_every", self.check_every, minimum=1)
         check_positive("divergence_error", self.divergence_error)
-        for name in ("check_replan", "check_verbose"):
+        for name in ("check_replan", "check_verbose", "plan_check"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.activation_recompute, bool) or self.activation_recompute in ("linear", "auto")):

@@ -25,11 +25,11 @@ from fxapprox.config import ApproxConfig
 from fxapprox.errors import TraceError
 from fxapprox.memory_planning import memory_planned, plan_saved_activations
 from fxapprox.records import EAGER_SAVED_KEY, FLOPS_KEY, FlopCount, flops_of
-from fxapprox.passes.budget_policy import AUTO_BUDGET, plan_budget
+from fxapprox.compute_plan import make_compute_plan
+from fxapprox.passes.budget_policy import AUTO_BUDGET
 from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.eager_flops import count_eager_flops, count_step_flops
 from fxapprox.passes.eager_saved import count_eager_saved_bytes
-from fxapprox.passes.input_saving import plan_input_saving
 from fxapprox.passes.measure_candidates import EXACT_STEP_KEY, cached_step_seconds, measure_candidates
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.regions import Region, capture_regions, record_calls
@@ -37,7 +37,6 @@ from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.stitch import EagerCode, install_regions, stitch, stitched_loss
 from fxapprox.plan import Plan
 from fxapprox.report import Report
-from fxapprox.ranks import agreed_plan
 from fxapprox.model_state import ModelState, check_loaded
 from fxapprox.runtime import ApproxRuntime, _shapes
 
@@ -86,8 +85,7 @@ class ApproxModel(ApproxRuntime):
                 with measurement_sandbox(self), self._exact_calls():
                     planning.meta[EXACT_STEP_KEY] = cached_step_seconds(
                         self, (args, kwargs), lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), config)
-        plan = agreed_plan(planning, plan_input_saving(planning, plan_budget(planning, state.budget, state.method,
-                                                                             config)), state)
+        plan = make_compute_plan(planning, inputs, state, config)
         plan = dataclasses.replace(plan, regions=tuple(r.to_dict() for r in capture.regions))
         rewrite_sampled_ops(planning, plan)
         if memory_planned(state.memory_budget, config):

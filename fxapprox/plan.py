@@ -195,6 +195,9 @@ class Plan:
     #: interleaved rounds (measured policy with timing on); ``predicted_speedup`` adds up the layers' isolated
     #: timings instead
     measured_speedup: float | None = None
+    #: the plan run on the example batch against exact training (``passes/check_plan.py``): measured and predicted
+    #: one-step errors, the measured ÷ predicted factors, the factors the plan was made with and its re-plans
+    check: dict | None = None
 
     @property
     def achieved(self) -> float:
@@ -204,6 +207,23 @@ class Plan:
     @property
     def approximated(self) -> tuple[LayerDecision, ...]:
         return tuple(d for d in self.layers if d.approximate)
+
+    def with_check(self, check, calibration, replans: int) -> "Plan":
+        """This plan with what its check on the example batch measured (``passes/check_plan.PlanCheck``), the
+        factors it was made with (``calibration``, ``None``: as predicted) and the re-plans the check asked for;
+        a warning where the measured model-gradient error passes ``divergence_error``."""
+        import dataclasses
+
+        record = {**check.to_dict(), "calibration": None if calibration is None else dataclasses.asdict(calibration),
+                  "replans": replans}
+        warnings = self.warnings
+        limit = self.config.get("divergence_error")
+        if limit is not None and check.calibrated_error > limit:
+            warnings += (f"on the example batch the plan's calibrated model-gradient error is "
+                         f"{check.calibrated_error:.3g} > divergence_error={limit:g} (one step: "
+                         f"{check.model_error:.3g}): its gradient is farther from the exact one than the exact one is "
+                         f"from zero, and the guard will re-plan",)
+        return dataclasses.replace(self, check=record, warnings=warnings)
 
     def with_measured_speedup(self, speedup: float) -> "Plan":
         """This plan with its step speed-up as measured on the example batch (the note says it too)."""
@@ -253,6 +273,7 @@ class Plan:
             "warnings": list(self.warnings),
             "lowest_reachable": self.lowest_reachable,
             "measured_speedup": self.measured_speedup,
+            "check": self.check,
             "fingerprint": self.fingerprint(),
         }
 
@@ -271,5 +292,5 @@ class Plan:
                    regions=tuple(dict(r) for r in data.get("regions", ())),
                    predicted_steps=data.get("predicted_steps"), auto_advice=data.get("auto_advice"),
                    warnings=tuple(data.get("warnings", ())), lowest_reachable=data.get("lowest_reachable"),
-                   measured_speedup=data.get("measured_speedup"),
+                   measured_speedup=data.get("measured_speedup"), check=data.get("check"),
                    **fields)

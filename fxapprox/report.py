@@ -121,6 +121,8 @@ class Report:
         predicted = _predicted_text(plan)
         if predicted:
             rows.append(("predicted", predicted, None))
+        if plan.check:
+            rows.append(("checked", _check_text(plan.check), None))
         if plan.auto_advice:
             rows.append(("auto", plan.auto_advice, None))
         for warning in plan.warnings:
@@ -289,6 +291,18 @@ def _predicted_text(plan: Plan) -> str:
         parts.append(f"model-gradient error {plan.predicted_error:.3f}"
                      + (f" (max_grad_error {tolerance:g})" if tolerance else ""))
     return "; ".join(parts)
+
+
+def _check_text(check: dict) -> str:
+    text = (f"on the example batch against exact training: one-step model-gradient error {check['model_error']:.3g}, "
+            f"output error {check['output_error']:.3g} (predicted {check['predicted_output_error']:.3g}); calibrated "
+            f"model-gradient error {check['calibrated_error']:.3g}")
+    calibration = check.get("calibration")
+    if check.get("replans"):
+        factors = ", ".join(f"{family} family ×{factor:.3g}" for family, factor in calibration.items() if factor != 1)
+        text += (f"; re-planned {check['replans']} time(s) with the errors measured where they passed the "
+                 f"predictions ({factors})")
+    return text
 
 
 def _memory_text(memory) -> str:

@@ -14,7 +14,8 @@ The pipeline, one file per stage; each pass writes a typed record under its own 
    ``fxapprox/op_kinds.py``); ``measure_candidates`` (4b) — each candidate's errors and speed on the
    example batch; ``budget_policy`` (4c) — the explicit :class:`fxapprox.plan.Plan` (``measured_policy``,
    ``error_model``, ``payoff``, ``interpolation``, ``fixed_ratio_policy``, ``plan_note``); ``input_saving`` (4d) — what each forward-sampled
-   layer keeps of its input for backward (the input itself or its kept columns)
+   layer keeps of its input for backward (the input itself or its kept columns); ``check_plan`` (4e) — the plan run on
+   the example batch against exact training, and made again where its errors passed the predictions
 5. ``rewrite`` — swap planned nodes for sampled ops (Linear, Conv2d, LSTM, …)
 
 With a ``memory_budget`` (compressed saved activations), after the rewrite (``fxapprox.memory_planning``):

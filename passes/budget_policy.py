@@ -95,12 +95,13 @@ def decisions_for(gm, layers, choices: dict, config: ApproxConfig, measured: boo
 
 
 def plan_budget(gm: torch.fx.GraphModule, budget: float | str, method: str,
-                config: ApproxConfig | None = None) -> Plan:
+                config: ApproxConfig | None = None, *, calibration=None) -> Plan:
     """Make the plan for ``gm`` (analysed, ranked; measured for the measured policy) under ``budget``.
 
     Writes each layer's decision (a :class:`~fxapprox.records.PlannedLayer`) under ``node.meta[DECISION_KEY]`` and
     returns the :class:`Plan`.
-    Runs ``enumerate_candidates`` first when it has not run yet.
+    Runs ``enumerate_candidates`` first when it has not run yet. ``calibration`` (measured policy): the measured ÷
+    predicted error factors per family the candidates' predictions are scaled by (``passes/check_plan.py``).
 
     Example::
 
@@ -118,7 +119,7 @@ def plan_budget(gm: torch.fx.GraphModule, budget: float | str, method: str,
     layers, total, target = _layers_and_totals(gm, fraction)
     if any(candidates_of(n) is None for n in layers):
         enumerate_candidates(gm, method, config)
-    summary = PolicySummary(method=method)
+    summary = PolicySummary(method=method, calibration=calibration)
     choices = _POLICIES[config.policy](gm, layers, budget, total, target, config, summary)
     measured = config.policy == "measured"
     decisions = decisions_for(gm, layers, choices, config, measured)

@@ -83,7 +83,8 @@ def raise_last_ratio(chosen: dict, usable: dict, overshoot: float, node=None) ->
         flops = handler_for(node).candidate_flops(node, low.mode, k / n)
         interpolated = {key: _interpolate(below, high, weight, key)
                         for key in ("contribution", "step_contribution", "step_cost", "speedup", "time_saving",
-                                    "net_cost", "errors", "bias", "noise")}
+                                    "net_cost", "errors", "bias", "noise", "raw_contribution", "raw_step_contribution",
+                                    "raw_step_cost")}
         raised = dataclasses.replace(below, k=k, keep_ratio=k / n, interpolated=True, flops=flops,
                                      saving=train_flops(node) - flops,
                                      predicted_error=math.sqrt(max(interpolated["contribution"], 0.0)), **interpolated)

@@ -59,8 +59,11 @@ def describe_candidate(candidate: Candidate) -> str:
             f"(predicted error {candidate.predicted_error:.3f}{speed})")
 
 
-def _predicted(candidate: Candidate, node, weights: dict, owners: int, heads: set, config: ApproxConfig) -> Candidate:
-    """``candidate`` with its predicted contribution to the model-gradient error and its step cost."""
+def _predicted(candidate: Candidate, node, weights: dict, owners: int, heads: set, config: ApproxConfig,
+               factors=None) -> Candidate:
+    """``candidate`` with its predicted contribution to the model-gradient error and its step cost; with ``factors``
+    (the plan's check, ``passes/check_plan.py``) scaled by its family's measured ÷ predicted factor, the unscaled
+    predictions kept in the ``raw_`` fields (what the guard's own calibration compares with)."""
     contribution = predicted_contribution(candidate.errors, weights.get(node.name, 0.0), owners, candidate.mode,
                                           candidate.bias, candidate.noise, head=node.name in heads)
     # The same with the noise of one draw counted whole: what one step's gradient shows (the guard).
@@ -69,8 +72,16 @@ def _predicted(candidate: Candidate, node, weights: dict, owners: int, heads: se
                                                head=node.name in heads)
     predicted = dataclasses.replace(candidate, contribution=contribution, predicted_error=math.sqrt(contribution),
                                     step_contribution=step_contribution)
-    return dataclasses.replace(predicted, step_cost=step_cost(predicted, config.backward_error_cost,
-                                                              config.forward_error_cost))
+    predicted = dataclasses.replace(predicted, step_cost=step_cost(predicted, config.backward_error_cost,
+                                                                   config.forward_error_cost))
+    if factors is None:
+        return predicted
+    scale = factors.scale(predicted)
+    return dataclasses.replace(
+        predicted, raw_contribution=contribution, raw_step_contribution=step_contribution,
+        raw_step_cost=predicted.step_cost, contribution=contribution * scale,
+        predicted_error=math.sqrt(contribution * scale), step_contribution=step_contribution * scale,
+        step_cost=predicted.step_cost * factors.scale(predicted, "step_cost"))
 
 
 def _with_savings(node, candidate: Candidate, payoff: GainModel) -> Candidate:
@@ -126,7 +137,7 @@ class _Layers:
         return sum(getattr(c, key) or 0.0 for c in self.pinned.values())
 
 
-def _collect(gm, layers, config: ApproxConfig, choices: dict, payoff: GainModel) -> _Layers:
+def _collect(gm, layers, config: ApproxConfig, choices: dict, payoff: GainModel, factors=None) -> _Layers:
     weights, owners = propagation_weights(gm)
     heads = output_layers(gm)
     work = _Layers({}, {}, {})
@@ -135,7 +146,7 @@ def _collect(gm, layers, config: ApproxConfig, choices: dict, payoff: GainModel)
         if layer.blocker:
             choices[node] = Choice(None, layer.blocker)
             continue
-        predicted = {id(c): _with_savings(node, _predicted(c, node, weights, owners, heads, config), payoff)
+        predicted = {id(c): _with_savings(node, _predicted(c, node, weights, owners, heads, config, factors), payoff)
                      for c in layer.candidates if c.blocked is None and c.measured}
         _write_candidates(node, predicted)
         measured = list(predicted.values())
@@ -227,7 +238,7 @@ def measured_choices(gm, layers, budget, total, target, config: ApproxConfig, su
     """``{node: Choice}`` for every planned layer; fills ``summary`` with the plan's predictions."""
     choices: dict = {}
     payoff = GainModel(gm.meta.get(EXACT_STEP_KEY), total)
-    work = _collect(gm, layers, config, choices, payoff)
+    work = _collect(gm, layers, config, choices, payoff, summary.calibration)
     auto = budget == AUTO_BUDGET
     if not auto and budget >= 1.0:
         for node in work.free:

@@ -50,6 +50,9 @@ class PolicySummary:
     auto_advice: str | None = None
     #: the least fraction of exact training FLOPs any plan of the measured candidates reaches
     lowest_reachable: float | None = None
+    #: the measured ÷ predicted error factors per family the plan is made with (a
+    #: :class:`~fxapprox.passes.replan.Calibration` from the plan's check on the example batch, or ``None``)
+    calibration: Any = None
     #: the (benefit, cost) the walk ordered the hull steps by (``passes/_allocation.py``)
     walked_by: tuple[str, str] = ("saving", "contribution")
 
