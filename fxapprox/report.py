@@ -134,7 +134,10 @@ class Report:
                 shown.append(f"{sum(len(m) for _, m in groups[6:])} more layer(s) for {len(groups) - 6} other "
                              "reason(s): see the per-layer table")
             rows.append(("exact", "\n".join(shown), "dim"))
-        rows.append(("note", plan.note + _untraced_lines(plan) + _region_lines(plan), None))
+        # A met budget's note says what the rows above say; any other (out of reach, auto, re-planned) is news.
+        if not plan.note.startswith(f"budget {budget_text(plan.budget)} met:") or _untraced_lines(plan) \
+                or _region_lines(plan):
+            rows.append(("note", plan.note + _untraced_lines(plan) + _region_lines(plan), None))
         memory = plan.memory
         if memory is not None:
             rows.append(("memory", _memory_text(memory) + f"; {memory.note}", None))
