@@ -83,7 +83,8 @@ class _Substituted(torch.fx.Interpreter):
 
 
 def check_plan(gm: torch.fx.GraphModule, plan, inputs: tuple, lstm: LSTMBackward, mean=None) -> PlanCheck | None:
-    """Measure ``plan`` (made on ``gm``, before its rewrite) on ``inputs``; ``None`` when nothing is sampled.
+    """Measure ``plan`` (made on ``gm``, before its rewrite) on ``inputs``; ``None`` when nothing is sampled or the
+    graph holds no trainable weight (PEFT's frozen base layers, whose adapters run in eager code).
 
     Run it in the analysis sandbox (``fxapprox.analysis.measurement_sandbox``). ``mean(values) -> values``
     averages the three measurements over ranks (``fxapprox.ranks.mean_over_ranks``), so that every rank
@@ -102,6 +103,8 @@ def check_plan(gm: torch.fx.GraphModule, plan, inputs: tuple, lstm: LSTMBackward
         if decision.mode == "forward":
             forward_calls[node.name] = calls[node.name]
     params = {name: p for name, p in gm.named_parameters() if p.requires_grad}
+    if not params:   # no trainable weight in the graph (frozen layers with adapters run in eager code): no gradient
+        return None
     state = torch.get_rng_state()
 
     def run(substituted: dict):

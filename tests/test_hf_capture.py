@@ -227,3 +227,15 @@ def test_transformers_trainer_trains_an_approximated_model(tmp_path):
     output = trainer.train()
     assert math.isfinite(output.training_loss)
     assert approx.planned and approx.plan.approximated and len(approx.history) == 2
+
+
+def test_peft_lora_under_the_default_config_spends_the_budget():
+    peft = pytest.importorskip("peft")
+    model, inputs = build("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                      lora_dropout=0.0, task_type="CAUSAL_LM"))
+    approx = fxapprox.approximate(lora, 0.5, example_inputs=inputs,
+                                  config=fxapprox.ApproxConfig(check_every=None, check_verbose=False))
+    # the planning graph holds no trainable weight (the adapters run in eager code): the plan is not checked
+    assert approx.plan.approximated and approx.plan.check is None and approx.plan.budget_met
+    approx(**inputs).loss.backward()
