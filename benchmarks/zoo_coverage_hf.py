@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import BENCHMARKS_MD, machine_line, markdown_table  # noqa: E402
+from tests.zoo_checks import budget_reached  # noqa: E402
 
 import fxapprox  # noqa: E402
 from fxapprox._projection import projection_loss  # noqa: E402
@@ -115,7 +117,7 @@ OTHER_FAMILIES = {
 FAST = ("llama", "gpt2", "bert:cls")
 
 HEADERS = ["family", "model class", "params (M)", "regions traced/leaf/eager", "sampled/layers", "achieved FLOPs",
-           "eval equal", "train finite", "FLOPs match", f"memory plan {MEMORY_BUDGET}: planned / eager / vs original",
+           "budget reached", "eval equal", "train finite", "FLOPs match", f"memory plan {MEMORY_BUDGET}: planned / eager / vs original",
            "result/reason"]
 MARKERS = ("<!-- zoo-hf:start -->", "<!-- zoo-hf:end -->")
 HEADING = "## Hugging Face transformers 5: every family from its auto mapping"
@@ -384,6 +386,7 @@ def check_family(family: str, spec: tuple[str, str, str] | None = None) -> dict:
             kinds = [r.get("kind") for r in plan.regions]
             result.update(regions={k: kinds.count(k) for k in ("traced", "leaf", "eager")},
                           sampled=len(plan.approximated), layers=len(plan.layers), achieved=plan.achieved,
+                          budget_met=plan.budget_met, budget_reached=budget_reached(plan),
                           plan_exact_flops=plan.total_exact_flops, plan_planned_flops=plan.total_planned_flops)
             # (a) eval outputs equal the original's
             try:
@@ -498,7 +501,7 @@ def _row(r: dict) -> list[str]:
     return [r["family"], r.get("model_class", "–"), f"{r['params_m']:.2f}" if "params_m" in r else "–",
             "/".join(str(regions[k]) for k in ("traced", "leaf", "eager")) if regions else "–",
             f"{r['sampled']}/{r['layers']}" if "sampled" in r else "–",
-            f"{r['achieved']:.3f}" if "achieved" in r else "–",
+            f"{r['achieved']:.3f}" if "achieved" in r else "–", r.get("budget_reached", "–"),
             _yes(r.get("eval_equal")), _yes(r.get("train_finite")), match, _memory_cell(r), reason[:220]]
 
 
@@ -522,8 +525,9 @@ def summary_line(results: list[dict]) -> str:
     percent = 100 * passed / len(checked) if checked else 0.0
     memory = [r for r in checked if "memory_match" in r]
     matched = sum(bool(r["memory_match"]) for r in memory)
+    reached = sum(bool(r.get("budget_met")) for r in checked)
     return (f"{passed} of {len(checked)} families pass ({percent:.0f}%) on transformers {version}; {skipped} "
-            f"skipped; memory plan totals match a real step (1%) on {matched} of {len(memory)}")
+            f"skipped; budget 0.5 reached by {reached}; memory plan totals match a real step (1%) on {matched} of {len(memory)}")
 
 
 def _skipped_markdown(results: list[dict]) -> str:
@@ -555,7 +559,8 @@ def write_markdown(results: list[dict], seconds: float) -> None:
         "the cell: planned fraction / share of the exact bytes saved by eager code (kept exact) / the exact bytes "
         "against the original model's (above 1 where a traced region saves more than the original code, e.g. a "
         "custom `autograd.Function` traced through). Regions: how many parts of the model are traced graphs, "
-        "swapped leaves, or eager code.",
+        "swapped leaves, or eager code. \"budget reached\": where not, why the layers with the most exact FLOPs "
+        "cannot be sampled.",
         f"**{summary_line(results)}.**",
         markdown_table(HEADERS, [_row(r) for r in results]),
         _skipped_markdown(results)])

@@ -32,6 +32,7 @@ from fxapprox.passes.memory_policy import memory_candidates, plan_memory
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.rewrite_saved import remove_saved_markers, rewrite_saved_activations
+from fxapprox.passes.regions import hidden_layers, hidden_layers_root, untraceable_root
 from fxapprox.passes.trace import UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.training_flags import follow_training_mode
 from fxapprox.plan import Plan
@@ -173,12 +174,13 @@ def approximate(model: nn.Module, budget: float | str = "auto", *, example_input
 
     The result is an :class:`ApproxGraphModule` when torch.fx traces the model
     whole. Where the model's own code does not trace (Hugging Face models on
-    transformers 5), it is a copy of the model of its own class, captured region
-    by region (:mod:`fxapprox.eager`: traced children, approximable layers
-    swapped in place, the rest run eagerly and exactly), with the same ``.plan``,
-    ``.report``, ``.history`` and ``.set_approximate``;
+    transformers 5), or a submodule holding approximable layers does not (a block
+    with data-dependent control flow), it is a copy of the model of its own class,
+    captured region by region (:mod:`fxapprox.eager`: traced children, approximable
+    layers swapped in place, the rest run eagerly and exactly), with the same
+    ``.plan``, ``.report``, ``.history`` and ``.set_approximate``;
     ``ApproxConfig(strict_trace=True)`` raises :class:`fxapprox.TraceError`
-    instead.
+    instead, and a submodule named in ``leaf_modules`` stays whole and exact.
 
     Example::
 
@@ -207,8 +209,19 @@ def approximate(model: nn.Module, budget: float | str = "auto", *, example_input
         if config.strict_trace or error.module_path != "<root>":
             raise
         # The model's own code does not trace: it runs eagerly and its children are captured (fxapprox.eager).
-        approx = approximate_eager(model, error, budget=budget, memory_budget=memory_budget, method=method,
+        approx = approximate_eager(model, untraceable_root(model, error), budget=budget, memory_budget=memory_budget, method=method,
                                    config=config, model_name=model_name)
+        if example_inputs is not None:
+            approx.plan_from(*args, **kwargs)
+        return approx
+    hidden = hidden_layers(model, traced.meta.get(UNTRACED_KEY, ()))
+    if hidden:
+        # Submodules that do not trace hold approximable layers: captured like an untraceable root (the model's
+        # own code eager, every child traced where it traces, its layers swapped in place) so that the budget
+        # reaches them.
+        approx = approximate_eager(model, hidden_layers_root(model, hidden), budget=budget, memory_budget=memory_budget,
+                                   method=method, config=config, model_name=model_name,
+                                   untraced=traced.meta[UNTRACED_KEY])
         if example_inputs is not None:
             approx.plan_from(*args, **kwargs)
         return approx

@@ -22,7 +22,6 @@ from torch import nn
 
 from fxapprox.analysis import analyse, measurement_sandbox
 from fxapprox.config import ApproxConfig
-from fxapprox.errors import TraceError
 from fxapprox.memory_planning import memory_planned, plan_saved_activations
 from fxapprox.records import EAGER_SAVED_KEY, FLOPS_KEY, FlopCount, flops_of
 from fxapprox.compute_plan import make_compute_plan
@@ -86,7 +85,8 @@ class ApproxModel(ApproxRuntime):
                     planning.meta[EXACT_STEP_KEY] = cached_step_seconds(
                         self, (args, kwargs), lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), config)
         plan = make_compute_plan(planning, inputs, state, config)
-        plan = dataclasses.replace(plan, regions=tuple(r.to_dict() for r in capture.regions))
+        plan = dataclasses.replace(plan, regions=tuple(r.to_dict() for r in capture.regions),
+                                   untraced=tuple(dict(u) for u in state.untraced))
         rewrite_sampled_ops(planning, plan)
         if memory_planned(state.memory_budget, config):
             plan = plan_saved_activations(planning, inputs, plan, state, config)
@@ -157,18 +157,22 @@ def _rebuild_eager(user_class: type, body: dict) -> nn.Module:
     return model
 
 
-def approximate_eager(model: nn.Module, root_error: TraceError, *, budget, memory_budget, method: str,
-                      config: ApproxConfig, model_name: str) -> nn.Module:
-    """A copy of ``model`` (whose own code failed to trace with ``root_error``) captured region by region."""
+def approximate_eager(model: nn.Module, root: Region, *, budget, memory_budget, method: str, config: ApproxConfig,
+                      model_name: str, untraced: tuple = ()) -> nn.Module:
+    """A copy of ``model`` captured region by region; ``root`` says why its own code runs eagerly (it failed to
+    trace, or submodules holding approximable layers did: ``untraced``, their
+    :class:`~fxapprox.passes.trace.UntracedModule` s)."""
     if config.activation_replan_every is not None and memory_planned(memory_budget, config):
+        hidden = [u.module for u in untraced]
+        fix = (f"mark {', '.join(hidden)} leaf_modules (they then stay exact)" if hidden
+               else "trace the model yourself and pass the GraphModule")
         raise NotImplementedError(
-            f"activation_replan_every: {model_name}'s own code does not trace ({root_error.reason}); its memory plan "
+            f"activation_replan_every: {model_name} is captured region by region ({root.reason}); its memory plan "
             f"is made once (replan_memory is not available on a hierarchically captured model). Leave "
-            f"activation_replan_every=None, or trace the model yourself and pass the GraphModule")
+            f"activation_replan_every=None, or {fix}")
     copied = copy.deepcopy(model)
     copied.__class__ = _approx_class(type(copied))
-    root = Region("", "eager", type(model).__name__, root_error.reason or str(root_error).splitlines()[0],
-                  root_error.source_line)
     copied._fxapprox_state = ModelState(budget=budget, memory_budget=memory_budget, method=method, config=config,
-                                        model_name=model_name, root=root.to_dict())
+                                        model_name=model_name, root=root.to_dict(),
+                                        untraced=tuple(u.to_dict() for u in untraced))
     return copied

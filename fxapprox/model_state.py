@@ -34,6 +34,8 @@ class ModelState:
     #: region-captured models (``fxapprox.eager``): the root region and the stitched planning graph
     root: dict | None = None
     planning: Any = None      # torch.fx.GraphModule
+    #: submodules torch.fx could not trace (``UntracedModule.to_dict``), captured region by region with the root
+    untraced: tuple = ()
     # -- what training has done --------------------------------------------------------------------------------
     #: ``set_approximate``: sampled ops on (``True``) or the exact model
     enabled: bool = True

@@ -49,6 +49,9 @@ OUTSIDE_MODEL_KEY = "fxapprox_outside_model"
 #: ``node.meta`` key (True) of a placeholder of a stitched planning graph whose value's gradient flows on into code
 #: outside the graph (a region's input that requires grad): the error policies' propagation counts it
 UPSTREAM_OUTSIDE_KEY = "fxapprox_upstream_outside"
+#: ``node.meta`` key (True) of a region's output in a stitched planning graph that the model's code reads on
+#: (parameterised code downstream, outside the graph): the region's last layers are not the model's output layers
+DOWNSTREAM_OUTSIDE_KEY = "fxapprox_downstream_outside"
 #: ``node.meta`` key of a placeholder of a stitched planning graph: the name of an earlier placeholder holding the
 #: same tensor (two regions read it); the memory policy treats it as an alias
 SAME_TENSOR_KEY = "fxapprox_same_tensor_as"

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from fxapprox.passes.regions import short_reason
 from fxapprox.plan import Plan, exact_reason_groups
 
 #: the width the plain-text report is laid out for (a terminal's, when the report is shown in one)
@@ -48,9 +49,17 @@ def _input_saving(decision) -> str:
 
 
 def _untraced_lines(plan: Plan) -> str:
-    lines = [f"\nkept exact, torch.fx could not trace {u['module']!r} ({u['module_type']})"
-             + (f" at {u['source_line']}" if u.get("source_line") else "") + f": {u['reason']}"
-             for u in plan.untraced]
+    """The submodules torch.fx could not trace, grouped by where and why: kept exact (a traced model) or run
+    eagerly with their layers captured (a model captured region by region)."""
+    groups: dict[tuple, list[str]] = {}
+    for u in plan.untraced:
+        groups.setdefault((u["module_type"], u.get("source_line"), short_reason(u["reason"])), []).append(u["module"])
+    how = "ran eagerly, their layers captured" if plan.regions else "kept exact"
+    lines = []
+    for (module_type, source_line, reason), paths in groups.items():
+        named = ", ".join(repr(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        lines.append(f"\n{how}, torch.fx could not trace {named} ({module_type})"
+                     + (f" at {source_line}" if source_line else "") + f": {reason}")
     return "".join(lines)
 
 

@@ -75,7 +75,7 @@ def _blocker(gm: torch.fx.GraphModule, node: torch.fx.Node, config: ApproxConfig
     handler = handler_for(node)
     kind = kind_of(node)
     if node.meta.get(EAGER_REASON_KEY):
-        return f"runs eagerly, exact (torch.fx could not trace it: {node.meta[EAGER_REASON_KEY]})"
+        return f"runs eagerly, exact ({node.meta[EAGER_REASON_KEY]})"
     if handler is None:
         if kind.unsupported is not None:
             return kind.unsupported

@@ -25,9 +25,15 @@ one's relative gradient error, and errors of different layers add in squares:
   output's noise is not discounted over steps: an unbiased forward (CRS) is a
   different function each step, and its noise compounds through the layers above.
   A layer with no parameterised node downstream (the head: its output is what
-  the loss reads) gets no discount: no layer above can adapt to its mismatch.
-  Discounted, the char-LSTM's head was planned at forward top-k 0.25 (predicted
-  0.224) and trained to +17.8% validation loss.
+  the loss reads) gets no discount and is not averaged over the ``N`` nodes: no
+  layer above can adapt to its mismatch, and the loss's gradient it changes is
+  what every parameterised node's gradient is computed from, so it adds
+  ``bias_out² + noise_out²`` whole. Discounted, the char-LSTM's head was planned
+  at forward top-k 0.25 (predicted 0.224) and trained to +17.8% validation loss;
+  undiscounted but averaged, a character LM's head was planned at the same
+  keep-ratio and fine-tuned to +8.8% (``benchmarks/output_layer.py``). In a
+  stitched planning graph the head is the region the model's output is computed
+  from (``passes/regions.py``, ``output_modules``).
 
 This is a first-order model measured at the example batch's weights. The two
 constants (``noise_horizon`` 30, the forward discount 1/3) were fitted to eleven
@@ -46,7 +52,7 @@ import torch
 import torch.fx
 
 from fxapprox.op_kinds import handler_for
-from fxapprox.records import UPSTREAM_OUTSIDE_KEY, ActivationNorms, Candidate, norms_of
+from fxapprox.records import DOWNSTREAM_OUTSIDE_KEY, UPSTREAM_OUTSIDE_KEY, ActivationNorms, Candidate, norms_of
 from fxapprox.passes.candidates import parameterised
 from fxapprox.passes.graph_view import to_networkx
 
@@ -117,7 +123,9 @@ def output_layers(gm: torch.fx.GraphModule) -> set[str]:
     # One reverse walk (users come after their inputs in an fx graph), not a descendants search per node.
     feeds_owner: set = set()
     for node in reversed(gm.graph.nodes):
-        if any(user in feeds_owner or parameterised(gm, user) for user in node.users):
+        # a region's output that the model's eager code reads on (a stitched planning graph) feeds its parameters
+        if node.meta.get(DOWNSTREAM_OUTSIDE_KEY) \
+                or any(user in feeds_owner or parameterised(gm, user) for user in node.users):
             feeds_owner.add(node)
     return {n.name for n in gm.graph.nodes if n not in feeds_owner}
 
@@ -128,13 +136,15 @@ def predicted_contribution(errors: dict, input_weight: float, owners: int, mode:
 
     In forward mode the output's noise counts whole when ``bias`` and ``noise`` are given: a noisy forward
     is a different function each step, and its error compounds through the layers above within the step.
-    ``head``: the node has no parameterised node downstream, so its forward mismatch is not discounted.
+    ``head``: the node has no parameterised node downstream, so its forward mismatch is neither discounted nor
+    averaged over the ``owners``: it reaches every node's gradient through the loss.
     """
     if mode == "forward":
         output = errors.get("output", 0.0) ** 2
         if bias is not None and noise is not None:
             output = bias.get("output", 0.0) ** 2 + noise.get("output", 0.0) ** 2
-        return (1.0 if head else FORWARD_DISCOUNT) * output / owners
+        # the head's output error is the loss's input error: it changes the gradient of every parameterised node
+        return output if head else FORWARD_DISCOUNT * output / owners
     return (errors.get("weight_grad", 0.0) ** 2 + input_weight * errors.get("input_grad", 0.0) ** 2) / owners
 
 

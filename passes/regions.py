@@ -29,13 +29,16 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxapprox._projection import first_tensor, projection_loss
 from fxapprox.errors import TraceError
 from fxapprox.builtin_op_kinds import hf_conv1d_class
-from fxapprox.passes.trace import RECURRENT_MODULES, UNTRACED_KEY, trace_both_modes
+from fxapprox.passes.trace import (MODE_DEPENDENT, RECURRENT_MODULES, ROOT_MODE_DEPENDENT_KEY, UNTRACED_KEY,
+                                   trace_both_modes)
 from fxapprox.passes.training_flags import follow_training_mode
 
 __all__ = ["Capture", "Region", "RegionInputs", "SWAPPED_LEAVES", "bind_placeholders", "capture_regions",
-           "record_calls"]
+           "hidden_layers", "hidden_layers_root", "output_modules", "record_calls", "short_reason", "swappable",
+           "untraceable_root"]
 
 #: module types swapped in place where they sit in eager code (and HF ``Conv1D``, matched by class)
 SWAPPED_LEAVES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.LSTM)
@@ -43,8 +46,19 @@ SWAPPED_LEAVES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.LSTM)
 
 
 
-def _swappable(module: nn.Module) -> bool:
-    return isinstance(module, SWAPPED_LEAVES) or hf_conv1d_class(module) is not None
+def swappable(module: nn.Module) -> bool:
+    """A layer the sampled op can stand in for: one of :data:`SWAPPED_LEAVES` running that class's own forward (a
+    subclass with its own — a weight-standardised convolution — is traced or descended into instead)."""
+    if hf_conv1d_class(module) is not None:
+        return True
+    return any(isinstance(module, kind) and type(module).forward is kind.forward for kind in SWAPPED_LEAVES)
+
+
+def hidden_layers(model: nn.Module, untraced) -> list[str]:
+    """The paths of the :class:`~fxapprox.passes.trace.UntracedModule` s in ``untraced`` that hold a layer
+    region capture can swap in place (kept as opaque leaves they would keep those layers out of the plan)."""
+    return [u.module for u in untraced
+            if any(swappable(m) for m in model.get_submodule(u.module).modules())]
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,27 @@ class Region:
     @classmethod
     def from_dict(cls, data: dict) -> "Region":
         return cls(**data)
+
+
+def short_reason(text: str, limit: int = 160) -> str:
+    """The first sentence of a tracing error, at most ``limit`` characters (the report's rows are one line)."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    sentence = first.split(". ")[0].rstrip(".")
+    return sentence if len(sentence) <= limit else sentence[:limit - 1] + "…"
+
+
+def untraceable_root(model: nn.Module, error: TraceError) -> Region:
+    """The root region of a model whose own code failed to trace with ``error``."""
+    reason = error.reason or str(error).splitlines()[0]
+    return Region("", "eager", type(model).__name__, f"torch.fx could not trace it: {short_reason(reason)}",
+                  error.source_line)
+
+
+def hidden_layers_root(model: nn.Module, paths: list[str]) -> Region:
+    """The root region of a model whose own code traces but whose submodules at ``paths`` (holding approximable
+    layers) do not."""
+    named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return Region("", "eager", type(model).__name__, f"its submodules {named} do not trace")
 
 
 @dataclass
@@ -126,6 +161,8 @@ def _trace_region(module: nn.Module, leaf_modules: tuple, inputs: "RegionInputs"
         concrete[name] = value
     traced, other = trace_both_modes(module, leaf_modules, strict=True, copy_model=False,
                                      concrete_args=concrete or None)
+    if traced.meta.get(ROOT_MODE_DEPENDENT_KEY):   # one trace would keep one mode's branch: run it eagerly
+        raise TraceError(MODE_DEPENDENT, reason=MODE_DEPENDENT)
     untraced = traced.meta.get(UNTRACED_KEY, ())
     if untraced:   # a mode-dependent submodule: descend rather than keep an opaque leaf
         first = untraced[0]
@@ -173,7 +210,7 @@ def capture_regions(model: nn.Module, root: Region, calls: dict[str, "RegionInpu
                 capture.regions.append(Region(child_path, "eager", kind, "kept whole (leaf_modules or a recurrent "
                                                                          "layer without a sampled version)"))
                 continue
-            if _swappable(child):
+            if swappable(child):
                 capture.regions.append(Region(child_path, "leaf", kind,
                                               "approximable layer in eager code: swapped in place"))
                 continue
@@ -182,7 +219,8 @@ def capture_regions(model: nn.Module, root: Region, calls: dict[str, "RegionInpu
                                                            received)
             except Exception as error:   # noqa: BLE001 — any tracing failure: run it eagerly, descend
                 reason = getattr(error, "reason", None) or f"{type(error).__name__}: {str(error).splitlines()[0]}"
-                visit(child, child_path, Region(child_path, "eager", kind, reason[:300],
+                visit(child, child_path, Region(child_path, "eager", kind,
+                                                f"torch.fx could not trace it: {short_reason(reason)}",
                                                 getattr(error, "source_line", None)))
                 continue
             capture.regions.append(Region(child_path, "traced", kind, "traces"))
@@ -193,13 +231,40 @@ def capture_regions(model: nn.Module, root: Region, calls: dict[str, "RegionInpu
 
 @dataclass
 class RegionInputs:
-    """What one module was called with on the capture step (its first call), how often it was called, and the
-    gradient its output received (one entry per flattened output, ``None`` where none flowed)."""
+    """What one module was called with on the capture step (its first call), how often it was called, the
+    gradient its output received (one entry per flattened output, ``None`` where none flowed), and whether its
+    output is the model's: no parameterised module lies between it and the loss (:func:`output_modules`)."""
 
     args: tuple
     kwargs: dict
     calls: int = 1
     output_grads: list = field(default_factory=list)
+    feeds_output: bool = False
+
+
+def output_modules(output, producers: dict) -> set[str]:
+    """The modules whose outputs the model's output (its first tensor: the loss, or the logits) is computed from
+    with no parameterised module in between — its output layers, whose forward error goes straight into the loss.
+
+    ``producers`` maps the autograd nodes that made modules' outputs to those modules' paths (modules that own
+    parameters themselves: ``Linear``, ``LayerNorm``; containers pass the walk on to what is inside). The walk
+    goes back through the autograd graph from the output and stops at the first such node on each path.
+    """
+    start = first_tensor(output)
+    if not isinstance(start, torch.Tensor) or start.grad_fn is None:
+        return set()
+    found: set[str] = set()
+    seen, frontier = set(), [start.grad_fn]
+    while frontier:
+        node = frontier.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in producers:
+            found.update(producers[node])
+            continue
+        frontier.extend(following for following, _ in node.next_functions)
+    return found
 
 
 def _detached(value):
@@ -213,9 +278,8 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Regio
     """Run one step of ``model(*args, **kwargs)`` (the backward of the projection loss, no ``.grad`` written) and
     record, for every submodule with parameters, what its first call received, how often it was called and the
     upstream gradient of that call's output. Run it inside the analysis sandbox."""
-    from fxapprox._projection import projection_loss
-
     seen: dict[str, RegionInputs] = {}
+    producers: dict = {}   # autograd node that made a module's output -> the module paths
     handles = []
 
     def keep_gradient(record: RegionInputs, index: int):
@@ -238,6 +302,10 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Regio
             if record.calls != 1 or record.output_grads:
                 return
             flat = tree_flatten(output)[0]
+            if any(True for _ in module.parameters(recurse=False)):
+                for value in flat:
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        producers.setdefault(value.grad_fn, []).append(path)
             record.output_grads = [None] * len(flat)
             for index, value in enumerate(flat):
                 if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -246,7 +314,10 @@ def record_calls(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Regio
         handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
     try:
         with torch.enable_grad():
-            loss = projection_loss(model(*args, **kwargs))
+            output = model(*args, **kwargs)
+            for path in output_modules(output, producers):
+                seen[path].feeds_output = True
+            loss = projection_loss(output)
             parameters = [p for p in model.parameters() if p.requires_grad]
             if loss.requires_grad and parameters:
                 torch.autograd.grad(loss, parameters, allow_unused=True)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxapprox._projection import projection_direction
 from fxapprox.graph_pickle import RecordedGraphModule
-from fxapprox.records import EAGER_REASON_KEY, OUTSIDE_MODEL_KEY, SAME_TENSOR_KEY, UPSTREAM_OUTSIDE_KEY
+from fxapprox.records import DOWNSTREAM_OUTSIDE_KEY, EAGER_REASON_KEY, OUTSIDE_MODEL_KEY, SAME_TENSOR_KEY, UPSTREAM_OUTSIDE_KEY
 from fxapprox.passes.regions import Capture, RegionInputs, bind_placeholders
 from fxapprox.saved_markers import compress_saved
 
@@ -102,6 +102,22 @@ def _gradients(graph: torch.fx.Graph, prefix: str, received: RegionInputs, value
     return node
 
 
+def _feeds_output(path: str, inputs: dict[str, RegionInputs]) -> bool:
+    """Whether the region at ``path`` holds one of the model's output layers (:func:`~fxapprox.passes.regions.
+    output_modules`)."""
+    return any(record.feeds_output for where, record in inputs.items()
+               if where == path or where.startswith(path + "."))
+
+
+def _mark_read_on(output, path: str, inputs: dict[str, RegionInputs]) -> None:
+    """Mark a region's output nodes that the model's code reads on (the region is not the model's output)."""
+    if _feeds_output(path, inputs):
+        return
+    for node in tree_flatten(output)[0]:
+        if isinstance(node, torch.fx.Node):
+            node.meta[DOWNSTREAM_OUTSIDE_KEY] = True
+
+
 def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) -> tuple[torch.fx.GraphModule, tuple]:
     """The planning graph of ``model``'s regions and its example inputs (what each region received)."""
     graph = torch.fx.Graph()
@@ -136,6 +152,7 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
             node = graph.create_node("call_module", region.path, args, kwargs, name=prefix)
             node.meta[REGION_KEY] = region.path
             objects[region.path] = model.get_submodule(region.path)
+            _mark_read_on(node, region.path, inputs)
             outputs.append(node)
             outputs.append(_gradients(graph, prefix, received, values))
             continue
@@ -149,6 +166,7 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
                 new = _input(graph, f"{prefix}_{node.name}", values[-1], region.path, firsts)
             elif node.op == "output":
                 outputs.append(torch.fx.node.map_arg(node.args[0], lambda n: env[n]))
+                _mark_read_on(outputs[-1], region.path, inputs)
                 outputs.append(_gradients(graph, prefix, received, values))
                 continue
             else:

@@ -153,6 +153,9 @@ def _module_code(gm: torch.fx.GraphModule) -> dict[str, list]:
 
 
 MODE_DEPENDENT = "its code branches on self.training (the train- and eval-mode traces differ)"
+#: ``GraphModule.meta`` key (True) set by :func:`trace_both_modes` when the traced module's own code differs between
+#: the modes: the trace holds its training-mode branch only
+ROOT_MODE_DEPENDENT_KEY = "fxapprox_root_mode_dependent"
 
 
 def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: bool = False, *,
@@ -187,6 +190,7 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
             return gm, other
         if "" in differing:   # the root's own code: it cannot be a leaf
             gm.meta[UNTRACED_KEY] = tuple(untraced)
+            gm.meta[ROOT_MODE_DEPENDENT_KEY] = True
             return gm, None
         for path in differing:
             module_type = type(model.get_submodule(path)).__name__

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import fxapprox
+from tests.zoo_checks import budget_reached, untraceable_modules
 
 FLOPS = fxapprox.ApproxConfig(policy="flops")
 BUDGET = 0.5
@@ -160,8 +161,9 @@ def check(zoo: str, name: str, result: dict | None = None) -> dict:
     else:
         approx = fxapprox.approximate(source, BUDGET, example_inputs=inputs, config=FLOPS)
     plan = approx.plan
+    captured, kept = untraceable_modules(original if zoo == "timm" else source, plan)
     result.update(sampled=len(plan.approximated), layers=len(plan.layers), achieved=plan.achieved,
-                  untraced=[u["module"] for u in plan.untraced])
+                  budget_reached=budget_reached(plan), untraced_captured=captured, untraced_exact=kept)
     problems = []
     model.eval(), approx.eval()
     with torch.no_grad():

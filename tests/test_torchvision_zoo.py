@@ -38,6 +38,7 @@ import torch.nn.functional as F
 import torchvision
 
 import fxapprox
+from tests.zoo_checks import budget_reached, untraceable_modules
 
 #: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
 FLOPS = fxapprox.ApproxConfig(policy="flops")
@@ -130,8 +131,10 @@ def check_model(name: str, result: dict | None = None) -> dict:
 
     approx = fxapprox.approximate(model, BUDGET, example_inputs=(x,), config=FLOPS)
     plan = approx.plan
+    captured, kept = untraceable_modules(model, plan)
     result.update(sampled=len(plan.approximated), layers=len(plan.layers), achieved=plan.achieved,
-                  budget_met=plan.budget_met, note=plan.note)
+                  budget_met=plan.budget_met, budget_reached=budget_reached(plan), note=plan.note,
+                  untraced_captured=captured, untraced_exact=kept)
 
     # Eval: exactly the original's output (before any training step).
     model.eval(), approx.eval()

@@ -129,14 +129,15 @@ def test_narrow_outputs_block_input_gradient_sampling():
     assert all(c.blocked is None for c in head if c.mode == "weight_grad")
 
 
-def test_head_forward_error_is_not_discounted():
+def test_head_forward_error_is_neither_discounted_nor_averaged():
     from fxapprox.passes.error_model import FORWARD_DISCOUNT, output_layers
     torch.manual_seed(0)
     x = torch.randn(64, 64)
     approx = fxapprox.approximate(MLP(), 0.6, example_inputs=(x,), config=ApproxConfig(**MEASURED))
     assert {"head"} <= output_layers(approx) and not {"fc1", "fc2"} & output_layers(approx)
     owners = 3
-    for name, scale in (("head", 1.0), ("fc2", FORWARD_DISCOUNT)):
+    # the head's output error is the loss's: neither discounted nor averaged over the parameterised nodes
+    for name, scale in (("head", 1.0 * owners), ("fc2", FORWARD_DISCOUNT)):
         forward = [c for c in approx.plan.decision(name).candidates if c["mode"] == "forward" and "bias" in c]
         assert forward
         for c in forward:

@@ -103,26 +103,39 @@ class Outer2d(nn.Module):
         return self.conv(self.inner(x))
 
 
-def test_untraceable_submodules_are_kept_exact_and_reported():
+def test_untraceable_submodules_with_layers_are_captured_region_by_region_and_reported():
     model = Nested()
     x = torch.randn(2, 3, 16, 16)
     approx = fxapprox.approximate(model, 0.5, example_inputs=(x,),
                                   config=fxapprox.ApproxConfig(policy="flops", min_channels=3))
     untraced = {u["module"]: u for u in approx.plan.untraced}
-    # only the innermost modules that failed become leaves; their traceable siblings are still sampled
+    # the innermost modules that failed: blocks.0 holds a Conv2d, so the model is captured region by region
     assert set(untraced) == {"blocks.0", "blocks.2.inner"}
     assert untraced["blocks.2.inner"]["module_type"] == "Branchy"
     assert "if x.sum() > 0" in untraced["blocks.2.inner"]["source_line"]
     assert "math.ceil" in untraced["blocks.0"]["source_line"] or "ceil" in untraced["blocks.0"]["reason"]
-    targets = {n.target for n in approx.graph.nodes if n.op == "call_module"}
-    assert {"blocks.0", "blocks.2.inner", "blocks.2.conv", "stem", "head"} <= targets
-    assert approx.plan.decision("blocks_2_conv").approximate
-    assert "could not trace 'blocks.2.inner' (Branchy)" in str(approx.report)
+    assert isinstance(approx, Nested)
+    regions = {r["path"]: r["kind"] for r in approx.plan.regions}
+    assert regions["blocks.0"] == "eager" and regions["blocks.0.conv"] == "leaf"
+    assert regions["stem"] == "leaf" and regions["head"] == "leaf"
+    assert approx.plan.decision("blocks_0_conv").approximate   # a layer inside the untraceable block is sampled
+    report = str(approx.report)
+    assert "could not trace 'blocks.0' (Padded)" in report and "ran eagerly, their layers captured" in report
     assert fxapprox.plan.Plan.from_dict(approx.plan.to_dict()).untraced == approx.plan.untraced
     approx.eval()
     with torch.no_grad():
         torch.testing.assert_close(approx(x), model.eval()(x))
     approx.train()(x).sum().backward()
+
+
+def test_untraceable_submodules_without_layers_stay_leaves_of_the_traced_model():
+    # Branchy holds no approximable layer: the model stays one traced graph with it as an exact leaf
+    approx = fxapprox.approximate(Outer(), 0.5, example_inputs=(torch.randn(4, 16),),
+                                  config=fxapprox.ApproxConfig(policy="flops", min_channels=8))
+    assert isinstance(approx, fxapprox.ApproxGraphModule) and not approx.plan.regions
+    assert [u["module"] for u in approx.plan.untraced] == ["inner"]
+    assert "kept exact, torch.fx could not trace 'inner' (Branchy)" in str(approx.report)
+    assert approx.plan.decision("fc").approximate
 
 
 class BranchyRoot(nn.Module):

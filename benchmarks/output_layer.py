@@ -1,0 +1,234 @@
+"""Fine-tuning a character LM whose blocks torch.fx cannot trace: where budget 0.5 goes, and what the LM head costs.
+
+The model is ``tests/test_untraceable_blocks.py``'s ``CharLM`` with ``UnpackingBlock`` (attention written as
+``q, k, v = (… for z in ….split(d))``, which torch.fx cannot trace), 4 blocks, d=128, a 128-character context.
+It is pretrained exactly once on the CPython standard library's sources (cached under ``benchmarks/.data/``,
+reloaded in seconds) and fine-tuned on another text, Python's own documentation (``pydoc_data.topics``), with
+AdamW, linear warm-up and cosine decay to zero. Configurations, each over several batch orders (seeds):
+
+* ``exact`` — the plain model;
+* ``0.5`` — ``fxapprox.approximate(model, 0.5)``: the blocks captured region by region, their layers in the plan;
+* ``0.5, blocks whole`` — the same with the blocks named in ``leaf_modules``: what the plan was before the blocks
+  were captured (the LM head was the only layer left to sample);
+* ``0.5, head forward`` — ``0.5`` with the head pinned to forward top-k at keep 0.25 (``LayerOverride``): the
+  allocation that an output layer's forward error, counted like any layer's, used to allow.
+
+Reported: final validation loss (exact, on held-out documentation text) at equal steps, against exact; the
+executed FLOP fraction the plan promised; the head's plan; the train step's speed-up over exact, measured paired
+(steps of every configuration interleaved in one process, median of per-round ratios). ``--write`` puts the table
+in BENCHMARKS.md (section ``output_layer``).
+
+Usage: python benchmarks/output_layer.py [--seeds 0 1 2] [--steps 300] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import fxapprox  # noqa: E402
+from fxapprox import ApproxConfig, LayerOverride  # noqa: E402
+from _common import interleaved_samples, paired_ratio, report_tables  # noqa: E402
+from _text import load_corpus  # noqa: E402
+from tests.test_untraceable_blocks import CharLM, UnpackingBlock  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / ".data"
+VOCAB, D, HEADS, BLOCKS, CONTEXT, BATCH = 128, 128, 4, 4, 128, 16
+PRETRAIN_STEPS = 1500
+BUDGET = 0.5
+CONFIGS = ["exact", "0.5", "0.5, blocks whole", "0.5, head forward"]
+
+
+def ascii_ids(text: str) -> torch.Tensor:
+    """Characters as ids 0–127 (anything else as 127): one vocabulary for both corpora."""
+    return torch.tensor([min(ord(ch), VOCAB - 1) for ch in text], dtype=torch.long)
+
+
+def documentation() -> str:
+    import pydoc_data.topics as topics
+
+    return "\n".join(topics.topics[key] for key in sorted(topics.topics))
+
+
+def batches(data: torch.Tensor, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(data) - CONTEXT - 1, (BATCH,), generator=generator)
+        window = torch.stack([data[s:s + CONTEXT + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def lm_loss(model, x, y) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = CharLM(UnpackingBlock, blocks=BLOCKS, d=D, heads=HEADS, vocab=VOCAB, context=CONTEXT)
+    with torch.no_grad():
+        model.position.normal_(std=0.02)
+    return model
+
+
+def schedule(optimizer, steps: int, warmup: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def pretrained() -> torch.nn.Module:
+    """The model pretrained exactly on the standard library's sources (cached: the same weights every run)."""
+    model = build()
+    path = DATA / f"output_layer_pretrained_d{D}_b{BLOCKS}_{PRETRAIN_STEPS}.pt"
+    if path.exists():
+        model.load_state_dict(torch.load(path))
+        return model
+    print(f"pretraining {PRETRAIN_STEPS} steps on the standard library's sources (cached at {path}) ...", flush=True)
+    data = ascii_ids(load_corpus(2_000_000))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    scheduler = schedule(optimizer, PRETRAIN_STEPS, PRETRAIN_STEPS // 20)
+    stream = batches(data, 1234)
+    for step in range(PRETRAIN_STEPS):
+        x, y = next(stream)
+        loss = lm_loss(model, x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if step % 250 == 0:
+            print(f"  step {step}: loss {loss.item():.3f}", flush=True)
+    DATA.mkdir(exist_ok=True)
+    torch.save(model.state_dict(), path)
+    return model
+
+
+def approximate(model, label: str, example: tuple):
+    if label == "exact":
+        return model
+    config = ApproxConfig(check_verbose=False)
+    if label == "0.5, blocks whole":
+        config = ApproxConfig(check_verbose=False, leaf_modules=tuple(f"blocks.{i}" for i in range(BLOCKS)))
+    elif label == "0.5, head forward":
+        config = ApproxConfig(check_verbose=False, overrides=(
+            LayerOverride("head", mode="forward", method="topk", keep_ratio=0.25),))
+    return fxapprox.approximate(model, BUDGET, example_inputs=example, config=config)
+
+
+def head_plan(approx) -> str:
+    plan = getattr(approx, "plan", None)
+    if plan is None:
+        return "–"
+    head = plan.decision("head")
+    return f"{head.mode} {head.method} {head.k}/{head.n}" if head.approximate else "exact"
+
+
+def fine_tune(base, label: str, seed: int, steps: int, train_data, val_x, val_y) -> dict:
+    model = copy.deepcopy(base)
+    example = next(batches(train_data, 10_000 + seed))
+    start = time.perf_counter()
+    model = approximate(model, label, (example[0],))
+    planning = time.perf_counter() - start
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    scheduler = schedule(optimizer, steps, steps // 10)
+    stream = batches(train_data, seed)
+    model.train()
+    for _ in range(steps):
+        x, y = next(stream)
+        loss = lm_loss(model, x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+    model.eval()
+    with torch.no_grad():
+        val = statistics.fmean(lm_loss(model, x, y).item() for x, y in zip(val_x, val_y))
+    plan = getattr(model, "plan", None)
+    return {"val": val, "planning": planning, "achieved": 1.0 if plan is None else plan.achieved,
+            "head": head_plan(model), "sampled": 0 if plan is None else len(plan.approximated),
+            "layers": 0 if plan is None else len(plan.layers)}
+
+
+def step_speedups(base, train_data, rounds: int) -> dict[str, float]:
+    """Each configuration's train step against exact, interleaved in this process (median of per-round ratios)."""
+    x, y = next(batches(train_data, 999))
+    steps = {}
+    for label in CONFIGS:
+        model = approximate(copy.deepcopy(base), label, (x,))
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+        def step(model=model, optimizer=optimizer):
+            loss = lm_loss(model, x, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        steps[label] = step
+    samples = interleaved_samples(steps, rounds, warmup=3)
+    return {label: paired_ratio(samples, "exact", label) for label in CONFIGS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    base = pretrained()
+    text = documentation()
+    cut = int(len(text) * 0.9)
+    train_data, val_data = ascii_ids(text[:cut]), ascii_ids(text[cut:])
+    val = [next(batches(val_data, 4321 + i)) for i in range(16)]
+    val_x, val_y = [v[0] for v in val], [v[1] for v in val]
+    base.eval()
+    with torch.no_grad():
+        before = statistics.fmean(lm_loss(base, x, y).item() for x, y in zip(val_x, val_y))
+    print(f"validation loss before fine-tuning: {before:.4f}", flush=True)
+
+    runs: dict[str, list[dict]] = {label: [] for label in CONFIGS}
+    for seed in args.seeds:   # interleaved by seed: drift hits every configuration alike
+        for label in CONFIGS:
+            run = fine_tune(base, label, seed, args.steps, train_data, val_x, val_y)
+            runs[label].append(run)
+            print(f"seed {seed} {label:20s} val {run['val']:.4f} achieved {run['achieved']:.3f} head {run['head']} "
+                  f"(planning {run['planning']:.1f} s)", flush=True)
+    speedups = step_speedups(base, train_data, args.rounds)
+
+    exact = [r["val"] for r in runs["exact"]]
+    rows = []
+    for label in CONFIGS:
+        vals = [r["val"] for r in runs[label]]
+        deltas = [100 * (v / e - 1) for v, e in zip(vals, exact)]
+        first = runs[label][0]
+        rows.append([label, f"{first['sampled']}/{first['layers']}" if first["layers"] else "–",
+                     f"{statistics.fmean(r['achieved'] for r in runs[label]):.3f}", first["head"],
+                     f"{statistics.fmean(vals):.4f}",
+                     "–" if label == "exact" else f"{statistics.fmean(deltas):+.1f}% "
+                                                  f"({min(deltas):+.1f} to {max(deltas):+.1f})",
+                     f"{speedups[label]:.2f}x", f"{statistics.fmean(r['planning'] for r in runs[label]):.1f}"])
+    headers = ["configuration", "sampled / layers", "FLOPs planned", "LM head", "final val loss",
+               "vs exact, equal steps (per seed)", "step speed-up (paired)", "planning s"]
+    title = (f"Fine-tuning a char LM with untraceable blocks: {args.steps} steps (warm-up + cosine), seeds "
+             f"{', '.join(map(str, args.seeds))}; validation loss before fine-tuning {before:.4f}")
+    report_tables([(title, headers, rows)], "output_layer" if args.write else None,
+                  "## Untraceable blocks and the LM head, fine-tuning (`benchmarks/output_layer.py`)")
+
+
+if __name__ == "__main__":
+    main()
