@@ -209,19 +209,21 @@ def approximate(model: nn.Module, budget: float | str = "auto", *, example_input
         if config.strict_trace or error.module_path != "<root>":
             raise
         # The model's own code does not trace: it runs eagerly and its children are captured (fxapprox.eager).
-        approx = approximate_eager(model, untraceable_root(model, error), budget=budget, memory_budget=memory_budget, method=method,
-                                   config=config, model_name=model_name)
+        approx = approximate_eager(model, untraceable_root(model, error), budget=budget, memory_budget=memory_budget,
+                                   method=method, config=config, model_name=model_name)
         if example_inputs is not None:
             approx.plan_from(*args, **kwargs)
         return approx
-    hidden = hidden_layers(model, traced.meta.get(UNTRACED_KEY, ()))
+    hidden = [] if isinstance(model, torch.fx.GraphModule) or config.strict_trace else \
+        hidden_layers(model, traced, config.leaf_modules)
     if hidden:
-        # Submodules that do not trace hold approximable layers: captured like an untraceable root (the model's
-        # own code eager, every child traced where it traces, its layers swapped in place) so that the budget
-        # reaches them.
+        # Submodules that do not trace (or that a model library asks fx not to trace into) hold approximable
+        # layers: captured like an untraceable root (the model's own code eager, every child traced where it
+        # traces, its layers swapped in place) so that the budget reaches them.
         approx = approximate_eager(model, hidden_layers_root(model, hidden), budget=budget, memory_budget=memory_budget,
                                    method=method, config=config, model_name=model_name,
-                                   untraced=traced.meta[UNTRACED_KEY])
+                                   untraced=tuple(hidden) + tuple(u for u in traced.meta[UNTRACED_KEY]
+                                                                  if u not in hidden))
         if example_inputs is not None:
             approx.plan_from(*args, **kwargs)
         return approx

@@ -43,11 +43,12 @@ class ApproxConfig:
 
     - ``leaf_modules``: module qualified names or types the tracer keeps opaque
       (recurrent modules are always leaves).
-    - ``strict_trace``: ``False`` (default): a submodule torch.fx cannot trace is kept
-      whole and exact, and the plan and report say which and why
-      (``Plan.untraced``); where the model's own code does not trace, it is captured
-      region by region (``Plan.regions``, docs/hugging_face.md); ``True``: raise
-      :class:`fxapprox.TraceError` instead.
+    - ``strict_trace``: ``False`` (default): where the model's own code, or a
+      submodule holding approximable layers, does not trace, the model is captured
+      region by region (``Plan.regions``, docs/hugging_face.md) and its layers are in
+      the plan; a submodule without such layers that does not trace is kept whole
+      and exact; the plan and report say which and why (``Plan.untraced``);
+      ``True``: raise :class:`fxapprox.TraceError` instead.
     - ``progress``: show a progress bar while the analysis passes run.
 
     The compute plan:

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fxapprox.passes.regions import short_reason
+from fxapprox.passes.regions import LIBRARY_LEAF, short_reason
 from fxapprox.plan import Plan, exact_reason_groups
 
 #: the width the plain-text report is laid out for (a terminal's, when the report is shown in one)
@@ -58,7 +58,8 @@ def _untraced_lines(plan: Plan) -> str:
     lines = []
     for (module_type, source_line, reason), paths in groups.items():
         named = ", ".join(repr(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-        lines.append(f"\n{how}, torch.fx could not trace {named} ({module_type})"
+        verb = "did not trace" if reason == LIBRARY_LEAF else "could not trace"
+        lines.append(f"\n{how}, torch.fx {verb} {named} ({module_type})"
                      + (f" at {source_line}" if source_line else "") + f": {reason}")
     return "".join(lines)
 

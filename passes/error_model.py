@@ -30,8 +30,9 @@ one's relative gradient error, and errors of different layers add in squares:
   what every parameterised node's gradient is computed from, so it adds
   ``bias_out² + noise_out²`` whole. Discounted, the char-LSTM's head was planned
   at forward top-k 0.25 (predicted 0.224) and trained to +17.8% validation loss;
-  undiscounted but averaged, a character LM's head was planned at the same
-  keep-ratio and fine-tuned to +8.8% (``benchmarks/output_layer.py``). In a
+  undiscounted but averaged, a character LM's head was the only layer sampled, at
+  the same keep-ratio (0.987 of the FLOPs), and fine-tuned to +13.1%
+  (``benchmarks/output_layer.py``, "0.5, blocks whole"). In a
   stitched planning graph the head is the region the model's output is computed
   from (``passes/regions.py``, ``output_modules``).
 

@@ -9,7 +9,10 @@ a :class:`~fxapprox.records.FlopCount` under ``node.meta[FLOPS_KEY]``.
 ``nn.LSTM`` runs on CPU and CUDA, nor for the oneDNN linear (``mkldnn._linear_pointwise``), nor for the CPU
 flash-attention kernel ``scaled_dot_product_attention`` runs on CPU (it has the CUDA ones),
 and it cannot look inside our sparse-backward LSTM's custom ops (``fxapprox::lstm_layer``);
-it counts 0 for all of them, so we register their formulas here.
+it counts 0 for all of them, so we register their formulas here. Its ``convolution_backward`` formula counts
+a grouped convolution's weight gradient as if the convolution were ungrouped (a depthwise convolution's backward
+~100 times its forward); it is replaced by one that counts per group. These formulas serve every
+``FlopCounterMode`` in the process, so a user's own counts agree with the plan's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 
 import torch
 import torch.fx
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, flop_registry, register_flop_formula
 
 from fxapprox.passes._isolation import NodeIsolationInterpreter, run_backward
 from fxapprox.records import FLOPS_KEY, FlopCount
@@ -100,6 +103,26 @@ def _cpu_flash_attention_backward(grad_out, query, key, value, *args, out_shape=
     return 2 * _attention_flops(query, key, value)
 
 
+def _convolution_backward(grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed,
+                          output_padding, groups, output_mask, out_shape=None, **kwargs) -> int:
+    # The input gradient and the weight gradient each take as many multiply-adds as the forward. torch's own
+    # formula counts the weight gradient of a grouped convolution as if it were ungrouped (``groups`` times too
+    # many: ~100x the forward for a depthwise 3x3 over 96 channels), which made depthwise models' plans and budgets
+    # wrong; on ungrouped convolutions both formulas agree (tests/passes/test_analysis.py).
+    forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed=transposed)
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+def _correct_grouped_convolution_backward() -> None:
+    """Replace torch's ``convolution_backward`` formula by :func:`_convolution_backward` (once)."""
+    op = torch.ops.aten.convolution_backward
+    current = flop_registry.get(op)
+    if getattr(current, "__wrapped__", None) is _convolution_backward:
+        return
+    flop_registry.pop(op, None)
+    register_flop_formula(op)(_convolution_backward)
+
+
 def _register_missing_formulas() -> None:
     """Register each formula once, for ops this torch build has (the registry is keyed by overload packet)."""
     import fxapprox.ops.lstm  # noqa: F401 — defines the fxapprox:: LSTM ops
@@ -120,6 +143,7 @@ def _register_missing_formulas() -> None:
 
 
 _register_missing_formulas()
+_correct_grouped_convolution_backward()
 
 
 class FlopCountInterpreter(NodeIsolationInterpreter):

@@ -33,12 +33,12 @@ from fxapprox._projection import first_tensor, projection_loss
 from fxapprox.errors import TraceError
 from fxapprox.builtin_op_kinds import hf_conv1d_class
 from fxapprox.passes.trace import (MODE_DEPENDENT, RECURRENT_MODULES, ROOT_MODE_DEPENDENT_KEY, UNTRACED_KEY,
-                                   trace_both_modes)
+                                   UntracedModule, library_notrace, trace_both_modes)
 from fxapprox.passes.training_flags import follow_training_mode
 
-__all__ = ["Capture", "Region", "RegionInputs", "SWAPPED_LEAVES", "bind_placeholders", "capture_regions",
-           "hidden_layers", "hidden_layers_root", "output_modules", "record_calls", "short_reason", "swappable",
-           "untraceable_root"]
+__all__ = ["Capture", "LIBRARY_LEAF", "Region", "RegionInputs", "SWAPPED_LEAVES", "bind_placeholders",
+           "capture_regions", "hidden_layers", "hidden_layers_root", "holds_layers", "output_modules", "record_calls",
+           "short_reason", "swappable", "untraceable_root"]
 
 #: module types swapped in place where they sit in eager code (and HF ``Conv1D``, matched by class)
 SWAPPED_LEAVES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d, nn.LSTM)
@@ -54,11 +54,34 @@ def swappable(module: nn.Module) -> bool:
     return any(isinstance(module, kind) and type(module).forward is kind.forward for kind in SWAPPED_LEAVES)
 
 
-def hidden_layers(model: nn.Module, untraced) -> list[str]:
-    """The paths of the :class:`~fxapprox.passes.trace.UntracedModule` s in ``untraced`` that hold a layer
-    region capture can swap in place (kept as opaque leaves they would keep those layers out of the plan)."""
-    return [u.module for u in untraced
-            if any(swappable(m) for m in model.get_submodule(u.module).modules())]
+def holds_layers(module: nn.Module) -> bool:
+    """Whether region capture can bring layers of ``module`` into the plan: it is a layer the sampled op stands in
+    for, or a module below it is a linear / convolution / LSTM (a subclass with its own forward is traced, its
+    ``F.conv2d`` / ``F.linear`` sampled)."""
+    return swappable(module) or any(isinstance(m, SWAPPED_LEAVES) or hf_conv1d_class(m) is not None
+                                    for m in module.modules() if m is not module)
+
+
+LIBRARY_LEAF = "its library asks torch.fx not to trace into it (timm's register_notrace_module)"
+
+
+def _library_leaf(module: nn.Module, path: str, leaf_modules: tuple) -> bool:
+    """A module a model library registers as not to be traced into that holds layers (and the user did not name)."""
+    library_modules, _ = library_notrace()
+    return bool(library_modules) and isinstance(module, library_modules) and holds_layers(module) \
+        and not _is_user_leaf(module, path, leaf_modules)
+
+
+def hidden_layers(model: nn.Module, traced: torch.fx.GraphModule, leaf_modules: tuple = ()) -> list[UntracedModule]:
+    """The opaque leaves of ``traced`` (``model`` traced) that keep layers out of the plan: submodules torch.fx
+    could not trace (``UNTRACED_KEY``) and library no-trace modules, each holding layers (:func:`holds_layers`).
+    Region capture brings them in; a module the user named in ``leaf_modules`` stays whole."""
+    hidden = [u for u in traced.meta.get(UNTRACED_KEY, ()) if holds_layers(model.get_submodule(u.module))]
+    for node in traced.graph.find_nodes(op="call_module"):
+        module = traced.get_submodule(node.target)
+        if _library_leaf(module, node.target, leaf_modules):
+            hidden.append(UntracedModule(node.target, type(module).__name__, LIBRARY_LEAF, None))
+    return hidden
 
 
 @dataclass(frozen=True)
@@ -93,11 +116,12 @@ def untraceable_root(model: nn.Module, error: TraceError) -> Region:
                   error.source_line)
 
 
-def hidden_layers_root(model: nn.Module, paths: list[str]) -> Region:
-    """The root region of a model whose own code traces but whose submodules at ``paths`` (holding approximable
-    layers) do not."""
+def hidden_layers_root(model: nn.Module, hidden: list[UntracedModule]) -> Region:
+    """The root region of a model whose own code traces but whose submodules ``hidden`` (holding approximable
+    layers, :func:`hidden_layers`) do not, or are not to be traced."""
+    paths = [u.module for u in hidden]
     named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-    return Region("", "eager", type(model).__name__, f"its submodules {named} do not trace")
+    return Region("", "eager", type(model).__name__, f"its submodules {named} are not traced")
 
 
 @dataclass
@@ -168,6 +192,10 @@ def _trace_region(module: nn.Module, leaf_modules: tuple, inputs: "RegionInputs"
         first = untraced[0]
         raise TraceError(f"{first.module}: {first.reason}", module_path=first.module, source_line=first.source_line,
                          module_type=first.module_type, reason=first.reason)
+    opaque = [node.target for node in traced.graph.find_nodes(op="call_module")
+              if _library_leaf(traced.get_submodule(node.target), node.target, leaf_modules)]
+    if opaque:   # a library no-trace module would hide its layers in this region: descend instead
+        raise TraceError(f"{opaque[0]}: {LIBRARY_LEAF}", module_path=opaque[0], reason=f"{opaque[0]}: {LIBRARY_LEAF}")
     gm = follow_training_mode(traced, other, training=module.training)
     # torch.fx renames specialised arguments (mask -> mask_1): callers pass them by their own names
     for node, name in zip(gm.graph.find_nodes(op="placeholder"), signature.parameters):

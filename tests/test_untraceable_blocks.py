@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
-import pickle
 
 import numpy as np
 import pytest
@@ -148,6 +146,16 @@ def test_the_lm_head_is_the_output_layer_and_pays_for_a_forward_error():
     assert not (head.approximate and head.mode == "forward"), head.reason
 
 
+def test_plans_of_a_model_captured_region_by_region_are_reproducible(tmp_path):
+    config = fxapprox.ApproxConfig(timing_cache=str(tmp_path))
+    plans = []
+    for _ in range(3):
+        model, ids = _model_and_batch(UnpackingBlock)
+        plans.append(fxapprox.approximate(model, BUDGET, example_inputs=(ids,), config=config).plan)
+    assert len({p.fingerprint() for p in plans}) == 1
+    assert plans[0].layers == plans[2].layers
+
+
 def test_leaf_modules_keep_an_untraceable_block_whole_and_strict_trace_raises():
     model, ids = _model_and_batch(UnpackingBlock)
     config = fxapprox.ApproxConfig(leaf_modules=tuple(f"blocks.{i}" for i in range(4)))
@@ -157,3 +165,34 @@ def test_leaf_modules_keep_an_untraceable_block_whole_and_strict_trace_raises():
     with pytest.raises(fxapprox.TraceError) as info:
         fxapprox.approximate(model, BUDGET, config=fxapprox.ApproxConfig(strict_trace=True))
     assert info.value.module_path == "blocks.0"
+
+
+def test_a_library_no_trace_block_holding_layers_is_captured():
+    """timm registers blocks it asks torch.fx not to trace into (NF-Net's NormFreeBlock, MobileViT's block): kept
+    as opaque leaves they would keep their layers out of the plan."""
+    timm_fx = pytest.importorskip("timm.layers._fx")
+
+    class RegisteredBlock(UnpackingBlock):
+        def forward(self, x):   # traces: once captured, each block is a traced region
+            B, L, C = x.shape
+            q, k, v = self.qkv(self.ln1(x)).reshape(B, L, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+            x = x + self.proj(self.attend(q, k, v).transpose(1, 2).reshape(B, L, C))
+            return x + self.mlp(self.ln2(x))
+
+    timm_fx.register_notrace_module(RegisteredBlock)
+    try:
+        model, ids = _model_and_batch(RegisteredBlock)
+        approx = fxapprox.approximate(model, BUDGET, example_inputs=(ids,),
+                                      config=fxapprox.ApproxConfig(policy="flops"))
+    finally:
+        timm_fx._leaf_modules.discard(RegisteredBlock)
+    from fxapprox.passes.regions import LIBRARY_LEAF
+
+    untraced = {u["module"]: u["reason"] for u in approx.plan.untraced}
+    assert set(untraced) == {f"blocks.{i}" for i in range(4)} and set(untraced.values()) == {LIBRARY_LEAF}
+    assert {r["path"]: r["kind"] for r in approx.plan.regions}["blocks.0"] == "traced"
+    assert approx.plan.budget_met and sum(d.approximate for d in approx.plan.layers) >= 16
+    assert "torch.fx did not trace 'blocks.0'" in " ".join(str(approx.report).split())
+    model.eval(), approx.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(approx(ids), model(ids))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fxapprox.passes.regions import swappable
+from fxapprox.passes.regions import holds_layers
 from fxapprox.plan import Plan, exact_reason_groups
 
 __all__ = ["budget_reached", "untraceable_modules"]
@@ -22,15 +22,14 @@ def budget_reached(plan: Plan) -> str:
 
 
 def untraceable_modules(model: nn.Module, plan: Plan) -> tuple[list[str], list[str]]:
-    """``(captured, kept_exact)``: the submodules torch.fx could not trace whose approximable layers are in the
-    plan (the model captured region by region), and those kept as exact leaves; a module kept exact that holds an
-    approximable layer is a coverage failure the checks raise on."""
+    """``(captured, kept_exact)``: the submodules torch.fx could not trace (or was asked not to) that hold layers,
+    captured region by region, and those without layers, which stay exact; a module holding layers in a model not
+    captured region by region is a coverage failure the checks raise on."""
     captured, kept = [], []
     for untraced in plan.untraced:
-        module = model.get_submodule(untraced["module"])
-        holds_layers = any(swappable(m) for m in module.modules())
-        (captured if plan.regions else kept).append(untraced["module"])
-        if holds_layers and not plan.regions:
+        with_layers = holds_layers(model.get_submodule(untraced["module"]))
+        (captured if with_layers else kept).append(untraced["module"])
+        if with_layers and not plan.regions:
             raise AssertionError(f"{untraced['module']} does not trace and holds approximable layers, yet the "
                                  f"model was not captured region by region: its layers are out of the plan")
     return captured, kept

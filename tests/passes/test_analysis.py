@@ -134,3 +134,42 @@ def test_cudnn_lstm_flop_formulas_match_the_onednn_ones():
     no_bias = nn.LSTM(inputs, hidden, bias=False)
     assert _cudnn_rnn_forward((steps, batch, inputs), [tuple(w.shape) for w in no_bias._flat_weights], 2,
                               None, None, None, 2) == per_layer[0]
+
+
+def _conv_step_flops(conv: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as forward:
+        out = conv(x)
+    with FlopCounterMode(display=False) as backward:
+        out.sum().backward()
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+def test_grouped_convolution_backward_is_counted_per_group():
+    """torch's formula counts a grouped convolution's weight gradient as if ungrouped; ours: input and weight
+    gradients each as many FLOPs as the forward, grouped or not."""
+    import torch.utils.flop_counter as flop_counter
+
+    import fxapprox.passes.flops  # noqa: F401 — registers the formula
+
+    torch.manual_seed(0)
+    for conv, x in ((nn.Conv2d(96, 96, 7, padding=3, groups=96), torch.randn(2, 96, 16, 16)),
+                    (nn.Conv2d(32, 64, 3, padding=1, groups=4), torch.randn(2, 32, 8, 8)),
+                    (nn.Conv1d(64, 64, 4, padding=3, groups=64), torch.randn(2, 64, 16))):
+        forward, backward = _conv_step_flops(conv, x.requires_grad_())
+        assert backward == 2 * forward
+        forward, backward = _conv_step_flops(conv, x.detach())   # no input gradient: the weight's only
+        assert backward == forward
+    # ungrouped (strided, dilated, transposed): the same count as torch's own formula
+    original = flop_counter.conv_backward_flop
+    for conv, x in ((nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.randn(2, 16, 9, 9)),
+                    (nn.Conv2d(16, 8, 5, dilation=2, padding=4), torch.randn(2, 16, 12, 12)),
+                    (nn.ConvTranspose2d(16, 8, 3, stride=2), torch.randn(2, 16, 7, 7))):
+        x.requires_grad_()
+        out = conv(x)
+        grad = torch.ones_like(out)
+        expected = original(grad, x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.transposed,
+                            conv.output_padding, conv.groups, [True, True, False],
+                            out_val=(x, conv.weight, None))
+        assert _conv_step_flops(conv, x)[1] == expected
