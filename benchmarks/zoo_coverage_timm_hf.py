@@ -39,10 +39,12 @@ def main() -> None:
     jobs = [job for job in jobs if wanted is None or job[1] in wanted]
     rows, passed = [], {"timm": 0, "hf": 0}
     totals = {"timm": 0, "hf": 0}
+    reached = {"timm": 0, "hf": 0}
     for zoo, name in jobs:
         result, error, _ = run_isolated(zoo, name)
         totals[zoo] += 1
         passed[zoo] += error is None
+        reached[zoo] += result.get("budget_reached") == "yes"
         message = "ok" if error is None else " ".join(error.split()).removeprefix("AssertionError: ")[:160]
         print(f"{zoo} {name}: {message} ({result.get('seconds', 0):.0f} s)", flush=True)
         rows.append([zoo, name, f"{result['params_m']:.1f}" if "params_m" in result else "–",
@@ -51,7 +53,8 @@ def main() -> None:
                      result.get("budget_reached", "–"), untraceable_cell(result),
                      _yes(result.get("eval_exact")), _yes(result.get("step_ok")),
                      f"{result.get('seconds', 0):.0f}", message])
-    summary = ", ".join(f"{zoo}: {passed[zoo]}/{totals[zoo]} pass" for zoo in totals if totals[zoo])
+    summary = ", ".join(f"{zoo}: {passed[zoo]}/{totals[zoo]} pass, budget 0.5 reached by {reached[zoo]}"
+                        for zoo in totals if totals[zoo])
     print_table(f"timm and Hugging Face at budget 0.5 — {summary}", HEADERS, rows)
     if not args.no_write and wanted is None:
         write_section("zoo_timm_hf", "\n\n".join([
