@@ -15,10 +15,14 @@ AdamW, linear warm-up and cosine decay to zero. Configurations, each over severa
 * ``0.5, head forward`` — ``0.5`` with the head pinned to forward top-k at keep 0.25 (``LayerOverride``): the
   allocation that an output layer's forward error, counted like any layer's, used to allow.
 
-Reported: final validation loss (exact, on held-out documentation text) at equal steps, against exact; the
-FLOP fraction planned at the start (and at the end, where the guard re-planned); the head's plan at the start; the train step's speed-up over exact, measured paired
-(steps of every configuration interleaved in one process, median of per-round ratios). ``--write`` puts the table
-in BENCHMARKS.md (section ``output_layer``).
+Reported: final validation loss (exact, on held-out documentation text) at equal steps, against exact; at equal
+wall-clock, against exact trained on its own warm-up + cosine schedule of as many steps as the configuration's run
+took time (its steps ÷ the paired step-time ratio of its first plan, plus planning in exact steps: a run the guard
+made exact partway is counted at its first plan's ratio throughout, which gives exact more steps where that plan
+was slower than exact); the FLOP fraction planned at
+the start (and at the end, where the guard re-planned); the head's plan at the start; the train step's speed-up
+over exact, measured paired (steps of every configuration interleaved in one process, median of per-round
+ratios). ``--write`` puts the table in BENCHMARKS.md (section ``output_layer``).
 
 Usage: python benchmarks/output_layer.py [--seeds 0 1 2] [--steps 300] [--write]
 """
@@ -167,8 +171,9 @@ def fine_tune(base, label: str, seed: int, steps: int, train_data, val_x, val_y)
     return {"val": val, "planning": planning, **planned, "final_achieved": 1.0 if plan is None else plan.achieved}
 
 
-def step_speedups(base, train_data, rounds: int) -> dict[str, float]:
-    """Each configuration's train step against exact, interleaved in this process (median of per-round ratios)."""
+def step_speedups(base, train_data, rounds: int) -> tuple[dict[str, float], float]:
+    """Each configuration's train step against exact, interleaved in this process (median of per-round ratios),
+    and the exact step's median seconds."""
     x, y = next(batches(train_data, 999))
     steps = {}
     for label in CONFIGS:
@@ -183,7 +188,22 @@ def step_speedups(base, train_data, rounds: int) -> dict[str, float]:
             optimizer.step()
         steps[label] = step
     samples = interleaved_samples(steps, rounds, warmup=3)
-    return {label: paired_ratio(samples, "exact", label) for label in CONFIGS}
+    return ({label: paired_ratio(samples, "exact", label) for label in CONFIGS},
+            statistics.median(samples["exact"]))
+
+
+def equal_time_steps(steps: int, speedup: float, planning: float, exact_step: float) -> int:
+    """The length of the exact schedule that takes as long as ``steps`` approximated steps plus planning: the
+    paired step-time ratio converts the approximated run into exact steps (two runs' clocks drift 15–20% here)."""
+    return max(1, round(steps / speedup + planning / exact_step))
+
+
+def _equal_time_cell(runs: list[dict]) -> str:
+    timed = [100 * (r["val"] / r["equal_time_exact"] - 1) for r in runs if "equal_time_exact" in r]
+    if not timed:
+        return "–"
+    length = round(statistics.fmean(r["equal_time_steps"] for r in runs))
+    return f"{statistics.fmean(timed):+.1f}% ({min(timed):+.1f} to {max(timed):+.1f}; exact {length} steps)"
 
 
 def main() -> None:
@@ -204,15 +224,25 @@ def main() -> None:
         before = statistics.fmean(lm_loss(base, x, y).item() for x, y in zip(val_x, val_y))
     print(f"validation loss before fine-tuning: {before:.4f}", flush=True)
 
+    speedups, exact_step = step_speedups(base, train_data, args.rounds)
+    print("paired step speed-ups: " + ", ".join(f"{k} {v:.2f}x" for k, v in speedups.items())
+          + f"; exact step {exact_step * 1000:.0f} ms", flush=True)
     runs: dict[str, list[dict]] = {label: [] for label in CONFIGS}
     for seed in args.seeds:   # interleaved by seed: drift hits every configuration alike
+        equal_time: dict[int, float] = {}   # exact schedule length -> its final validation loss
         for label in CONFIGS:
             run = fine_tune(base, label, seed, args.steps, train_data, val_x, val_y)
+            if label != "exact":
+                # exact trained on its own warm-up + cosine schedule for as long as this configuration took
+                length = equal_time_steps(args.steps, speedups[label], run["planning"], exact_step)
+                if length not in equal_time:
+                    equal_time[length] = fine_tune(base, "exact", seed, length, train_data, val_x, val_y)["val"]
+                run["equal_time_steps"], run["equal_time_exact"] = length, equal_time[length]
             runs[label].append(run)
             print(f"seed {seed} {label:20s} val {run['val']:.4f} achieved {run['achieved']:.3f} → "
-                  f"{run['final_achieved']:.3f} head {run['head']} "
-                  f"(planning {run['planning']:.1f} s)", flush=True)
-    speedups = step_speedups(base, train_data, args.rounds)
+                  f"{run['final_achieved']:.3f} head {run['head']} (planning {run['planning']:.1f} s)"
+                  + (f"; exact in the same time ({run['equal_time_steps']} steps) {run['equal_time_exact']:.4f}"
+                     if label != "exact" else ""), flush=True)
 
     exact = [r["val"] for r in runs["exact"]]
     rows = []
@@ -227,9 +257,11 @@ def main() -> None:
                      f"{statistics.fmean(vals):.4f}",
                      "–" if label == "exact" else f"{statistics.fmean(deltas):+.1f}% "
                                                   f"({min(deltas):+.1f} to {max(deltas):+.1f})",
+                     _equal_time_cell(runs[label]),
                      f"{speedups[label]:.2f}x", f"{statistics.fmean(r['planning'] for r in runs[label]):.1f}"])
     headers = ["configuration", "sampled / layers", "FLOPs planned (→ after the guard)", "LM head", "final val loss",
-               "vs exact, equal steps (per seed)", "step speed-up (paired)", "planning s"]
+               "vs exact, equal steps (per seed)", "vs exact, equal wall-clock (per seed)", "step speed-up (paired)",
+               "planning s"]
     title = (f"Fine-tuning a char LM with untraceable blocks: {args.steps} steps (warm-up + cosine), seeds "
              f"{', '.join(map(str, args.seeds))}; validation loss before fine-tuning {before:.4f}")
     report_tables([(title, headers, rows)], "output_layer" if args.write else None,

@@ -31,7 +31,7 @@ one's relative gradient error, and errors of different layers add in squares:
   ``bias_out² + noise_out²`` whole. Discounted, the char-LSTM's head was planned
   at forward top-k 0.25 (predicted 0.224) and trained to +17.8% validation loss;
   undiscounted but averaged, a character LM's head was the only layer sampled, at
-  the same keep-ratio (0.987 of the FLOPs), and fine-tuned to +13.1%
+  the same keep-ratio (0.987 of the FLOPs), and fine-tuned to +13.4%
   (``benchmarks/output_layer.py``, "0.5, blocks whole"). In a
   stitched planning graph the head is the region the model's output is computed
   from (``passes/regions.py``, ``output_modules``).

@@ -114,12 +114,9 @@ def _convolution_backward(grad_out_shape, x_shape, w_shape, bias, stride, paddin
 
 
 def _correct_grouped_convolution_backward() -> None:
-    """Replace torch's ``convolution_backward`` formula by :func:`_convolution_backward` (once)."""
+    """Replace torch's ``convolution_backward`` formula by :func:`_convolution_backward`."""
     op = torch.ops.aten.convolution_backward
-    current = flop_registry.get(op)
-    if getattr(current, "__wrapped__", None) is _convolution_backward:
-        return
-    flop_registry.pop(op, None)
+    flop_registry.pop(op, None)   # register_flop_formula refuses a second formula for an op
     register_flop_formula(op)(_convolution_backward)
 
 
