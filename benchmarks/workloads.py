@@ -11,9 +11,12 @@ were set on; ``HELD_OUT`` were not looked at while setting them and are reported
   AdamW 2e-3, constant after warm-up;
 * ``char_transformer_small`` (held out) — 3 blocks, d=192, 6 heads, 32×64 characters, AdamW 3e-3, cosine decay;
 * ``llama`` (held out) — a Llama-style decoder in plain PyTorch: RMSNorm, SwiGLU, rotary attention with grouped
-  query heads, untied head; 4 blocks, d=256, 16×128 characters, AdamW 1e-3, cosine;
+  query heads, untied head; 4 blocks, d=256, 16×128 characters, AdamW 1e-3, cosine; ``llama_small`` (held out):
+  3 blocks, d=192, 6 query / 3 key-value heads, 32×64 characters;
 * ``char_lstm`` (held out) — ``examples/char_lstm.py``'s LSTM language model (hidden 512), 32×64 characters, Adam;
-* ``resnet18`` (held out) — torchvision's ResNet-18 (10 classes) on the digits upsampled to 3×32×32, SGD.
+* ``resnet18`` (held out) — torchvision's ResNet-18 (10 classes) on the digits upsampled to 3×32×32, SGD;
+* ``finetune`` / ``finetune_lora`` (held out) — a character LM pretrained exactly once on the standard library's
+  sources, fine-tuned on Python's documentation in full or with PEFT LoRA (AdamW, warm-up + cosine to zero).
 """
 
 from __future__ import annotations
@@ -126,6 +129,21 @@ def _adamw(lr: float, warmup: int, cosine: bool):
     def make(params, steps):
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(warmup, steps, cosine))
+    return make
+
+
+def warmup_cosine(make_optimizer, warmup_share: float = 0.05):
+    """``optimizer(params, steps)`` with linear warm-up over ``warmup_share`` of the steps and cosine decay to zero
+    at the last step: the schedule users train with and papers report the end of (benchmarks/time_to_quality.py)."""
+    def make(params, steps):
+        optimizer = make_optimizer(params)
+        warmup = max(1, round(warmup_share * steps))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return make
 
 
@@ -263,6 +281,11 @@ def llama() -> Workload:
     return _language_model("llama", TinyLlama, 128, 16, _adamw(1e-3, 30, cosine=True), 400)
 
 
+def llama_small() -> Workload:
+    return _language_model("llama_small", lambda vocab: TinyLlama(vocab, 192, 6, 3, 3, 512, 64), 64, 32,
+                           _adamw(1e-3, 30, cosine=True), 400)
+
+
 def char_lstm() -> Workload:
     from char_lstm import CharLM
 
@@ -290,12 +313,56 @@ def resnet18() -> Workload:
                     _evaluate_batches(F.cross_entropy, [(x_test, y_test)]), (x[:32],), steps=300, eval_every=25)
 
 
+def _fine_tuning(name: str, lora: bool) -> Workload:
+    """``benchmarks/output_layer.py``'s character LM (blocks torch.fx cannot trace), pretrained exactly once on the
+    standard library's sources (cached under ``benchmarks/.data/``), fine-tuned on Python's documentation
+    (``pydoc_data.topics``): in full, or with PEFT LoRA (r 16 on every block's Linear layers, the head trained)."""
+    import output_layer as pretraining
+
+    text = pretraining.ascii_ids(pretraining.documentation())
+    cut = int(0.9 * len(text))
+    train, val = text[:cut], text[cut:]
+    val_stream = pretraining.batches(val, 2)
+    val_batches = [next(val_stream) for _ in range(8)]
+    base = pretraining.pretrained()
+
+    def build():
+        import copy
+
+        model = copy.deepcopy(base)
+        if not lora:
+            return model
+        import peft
+
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["qkv", "proj", "mlp.0",
+                                                                                       "mlp.2"],
+                                 modules_to_save=["head"])
+        return peft.get_peft_model(model, config)
+
+    def batches(seed: int):
+        return pretraining.batches(train, seed)
+    lr = 2e-3 if lora else 1e-3
+    return Workload(name, build, batches, _token_loss,
+                    warmup_cosine(lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01), 0.1),
+                    _evaluate_batches(_token_loss, val_batches), (next(pretraining.batches(train, 3))[0],),
+                    steps=300, eval_every=25, clip=1.0)
+
+
+def finetune() -> Workload:
+    return _fine_tuning("finetune", lora=False)
+
+
+def finetune_lora() -> Workload:
+    return _fine_tuning("finetune_lora", lora=True)
+
+
 WORKLOADS = {w.__name__: w for w in (mlp, digits_cnn, char_transformer, char_transformer_small, llama, char_lstm,
-                                     resnet18)}
+                                     resnet18, finetune, finetune_lora, llama_small)}
 #: the workloads the defaults were set on
 TUNING = ("mlp", "digits_cnn", "char_transformer")
 #: reported apart: not looked at while setting the defaults
-HELD_OUT = ("char_transformer_small", "llama", "char_lstm", "resnet18")
+HELD_OUT = ("char_transformer_small", "llama", "llama_small", "char_lstm", "resnet18", "finetune", "finetune_lora")
 
 
 def get(name: str) -> Workload:

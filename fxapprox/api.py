@@ -88,6 +88,7 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
             plan = self._measure_planned_step(plan, inputs, lambda: self.forward(*inputs))
         if memory_planned(state.memory_budget, config):
             plan = plan_saved_activations(self, inputs, plan, state, config)
+        plan = self._with_schedule(plan)
         state.plan = plan
         state.report = Report(plan, state.model_name, _shapes(inputs), state.history)
         self.set_approximate(state.enabled)

@@ -19,6 +19,7 @@ from fxapprox.modules import MODES
 from fxapprox.overrides import LayerOverride
 from fxapprox.ops.lstm import DEFAULT_BLOCK_STEPS
 from fxapprox.ops.quantize import ROUNDINGS
+from fxapprox.schedule import SCHEDULES
 
 #: how the plan is made: least measured error for the FLOP budget ("measured"), the FLOP-ranked walk at one
 #: common keep-ratio ("flops"), or every eligible layer at keep_ratio ("uniform")
@@ -36,7 +37,7 @@ ACTIVATION_BITS = (2, 4, 8, 32)
 class ApproxConfig:
     """Finer control over tracing, the compute plan, its pay-off and guard, saved activations and LSTM layers.
 
-    Every field is a keyword argument. They come in five sections, in this order in the code, in this list and
+    Every field is a keyword argument. They come in six sections, in this order in the code, in this list and
     in docs/configuration.md.
 
     Tracing:
@@ -115,8 +116,15 @@ class ApproxConfig:
     - ``backward_error_cost`` / ``forward_error_cost``: predicted extra steps per squared
       error of each family — one step's gradient error for layers sampled in their
       backward (and compressed activations), the model output's relative error for
-      layers sampled in their forward (``fxapprox.passes.payoff``). Fitted to fixed-plan
-      training runs (``benchmarks/bench_loss_per_second.py calibrate``).
+      layers sampled in their forward (``fxapprox.passes.payoff``), for a step of a run that
+      samples every step (``schedule="constant"``). Fitted on the end-of-schedule protocol
+      (``benchmarks/time_to_quality.py``: the budget spent on one family every step, final
+      loss against exact schedules of several lengths).
+    - ``backward_tail_factor`` / ``forward_tail_factor``: the share of each family's extra
+      steps still owed at the end of a schedule whose last steps train exactly (``"mixed"``,
+      ``"anneal"``): a forward-sampled run is largely recovered by its exact tail, a
+      backward-sampled one much less. Fitted on the same protocol (``"mixed"`` runs of one
+      family); ``ApproxConfig.error_costs`` gives the costs the planner uses.
     - ``check_every``: every this many training steps, measure the approximate gradient
       against an exact backward on the same batch (``approx.history``) and re-plan:
       under ``budget="auto"`` when the error passes ``max_grad_error`` or the plan stops
@@ -133,6 +141,21 @@ class ApproxConfig:
       the budget than this needs, and the check records how far.
     - ``check_replan``: act on a check (``False``: measure and record only).
     - ``check_verbose``: print one line per check.
+
+    The schedule over training (``fxapprox.schedule``, docs/loss_per_second.md):
+
+    - ``schedule``: on which training steps the plan is in force and how strongly (a step at strength ``s`` keeps
+      ``n − s·(n − k)`` of a layer's ``n`` pairs where the plan keeps ``k``). ``"constant"``: the plan on every
+      step. ``"mixed"``: the plan for the first ``1 − exact_fraction`` of ``total_steps``, exact after (Zhu et
+      al.'s schedule, for every op kind). ``"anneal"``: the keep-ratios raised from the plan's toward 1 in eight
+      stages over the same steps, exact after. ``"noise"``: the guard estimates the gradient noise scale from
+      the exact gradients of two consecutive checked steps and raises the keep-ratios (down to exact) as it
+      grows (needs ``check_every``). ``None`` (default): ``"mixed"`` when ``total_steps`` is given, else
+      ``"constant"``. A numeric ``budget`` is what a step at full strength executes; the plan and the report
+      show the whole run's FLOPs.
+    - ``total_steps``: the number of training steps (forward calls of the model in training mode with
+      approximation on) the run will take, as a learning-rate schedule has; ``None``: not known.
+    - ``exact_fraction``: ``"mixed"`` and ``"anneal"``: the share of ``total_steps`` trained exactly at the end.
 
     Saved activations (used when ``memory_budget < 1`` or ``activation_bits`` is set):
 
@@ -201,13 +224,19 @@ class ApproxConfig:
     random_share: float = 0.05
     # -- pay-off and the guard ------------------------------------------------------------------------------------
     min_gain: float | None = 1.05
-    backward_error_cost: float = 4.4
-    forward_error_cost: float = 67.0
+    backward_error_cost: float = 1.6
+    forward_error_cost: float = 0.6
+    backward_tail_factor: float = 1.0
+    forward_tail_factor: float = 0.15
     check_every: int | None = 50
     plan_check: bool = True
     divergence_error: float = 1.0
     check_replan: bool = True
     check_verbose: bool = True
+    # -- the schedule over training -------------------------------------------------------------------------------
+    schedule: str | None = None
+    total_steps: int | None = None
+    exact_fraction: float = 0.25
     # -- saved activations ----------------------------------------------------------------------------------------
     activation_bits: int | None = None
     activation_group_size: int = 256
@@ -288,6 +317,11 @@ class ApproxConfig:
             check_int("activation_replan_every", self.activation_replan_every, minimum=1)
         check_positive("backward_error_cost", self.backward_error_cost)
         check_positive("forward_error_cost", self.forward_error_cost)
+        for name in ("backward_tail_factor", "forward_tail_factor"):
+            value = getattr(self, name)
+            if check_positive(name, value) > 1.0:
+                raise ValueError(f"{name} must be in (0, 1] (the share of the extra steps an exact tail leaves), "
+                                 f"got {value!r}")
         if self.min_gain is not None:
             check_positive("min_gain", self.min_gain)
         if self.check_every is not None:
@@ -296,6 +330,17 @@ class ApproxConfig:
         for name in ("check_replan", "check_verbose", "plan_check"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.schedule is not None:
+            check_choice("schedule", self.schedule, SCHEDULES)
+        if self.total_steps is not None:
+            check_int("total_steps", self.total_steps, minimum=1)
+        check_share("exact_fraction", self.exact_fraction)
+        if self.schedule in ("mixed", "anneal") and self.total_steps is None:
+            raise ValueError(f"schedule={self.schedule!r} needs total_steps=N, the number of training steps of the "
+                             f"run (its exact tail is the last exact_fraction of them)")
+        if self.schedule == "noise" and self.check_every is None:
+            raise ValueError("schedule='noise' measures the gradient noise scale at the guard's checks: set "
+                             "check_every (e.g. 50), or choose schedule='mixed' or 'anneal'")
         if not (isinstance(self.activation_recompute, bool) or self.activation_recompute in ("linear", "auto")):
             raise ValueError("activation_recompute must be True, False, 'linear' or 'auto', got "
                              f"{self.activation_recompute!r}")
@@ -311,6 +356,24 @@ class ApproxConfig:
         """
         return cls(policy="uniform", keep_ratio=keep_ratio, min_keep_ratio=min(keep_ratio, 0.1),
                    min_channels=min_channels, **kwargs)
+
+    @property
+    def schedule_kind(self) -> str:
+        """The schedule in force: ``schedule``, or its default (``"mixed"`` with ``total_steps``, else
+        ``"constant"``)."""
+        if self.schedule is not None:
+            return self.schedule
+        return "mixed" if self.total_steps is not None else "constant"
+
+    @property
+    def error_costs(self) -> tuple[float, float]:
+        """``(backward, forward)`` predicted extra steps per squared error of a sampled step under this config's
+        schedule: ``backward_error_cost`` / ``forward_error_cost``, times the tail factors where the schedule ends
+        with exact training."""
+        if self.schedule_kind in ("mixed", "anneal"):
+            return (self.backward_error_cost * self.backward_tail_factor,
+                    self.forward_error_cost * self.forward_tail_factor)
+        return self.backward_error_cost, self.forward_error_cost
 
     @property
     def candidate_modes(self) -> tuple[str, ...]:

@@ -95,6 +95,7 @@ class ApproxModel(ApproxRuntime):
         with measurement_sandbox(self), self._exact_calls():
             plan = self._measure_planned_step(plan, (args, kwargs),
                                               lambda: super(ApproxRuntime, self).__call__(*args, **kwargs))
+        plan = self._with_schedule(plan)
         state.plan = plan
         state.report = Report(plan, state.model_name, _shapes(args) + _shapes(kwargs.values()),
                                  state.history)

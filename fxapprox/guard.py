@@ -90,6 +90,11 @@ class CheckRecord:
     note: str = ""
     #: planned training FLOPs (fraction of exact) after this check's decision
     planned_flops: float = 1.0
+    #: ``schedule="noise"``: the gradient noise scale's estimate ``B_noise / B`` after this check (``None``: not
+    #: measured on this check)
+    noise_scale: float | None = None
+    #: the schedule's strength after this check (1: the plan, 0: exact)
+    strength: float = 1.0
 
     @property
     def speedup(self) -> float:

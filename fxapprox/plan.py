@@ -198,6 +198,9 @@ class Plan:
     #: the plan run on the example batch against exact training (``passes/check_plan.py``): measured and predicted
     #: one-step errors, the measured ÷ predicted factors, the factors the plan was made with and its re-plans
     check: dict | None = None
+    #: the schedule the plan runs under over training (``fxapprox.schedule.ScheduleRecord.to_dict``): its kind,
+    #: total steps, exact tail and the whole run's predicted FLOPs; ``None``: every step at full strength
+    schedule: dict | None = None
 
     @property
     def achieved(self) -> float:
@@ -241,7 +244,9 @@ class Plan:
 
         decisions = [(d.node, d.approximate, d.method, d.mode, d.k, d.n, d.save_input) for d in self.layers]
         memory = None if self.memory is None else [(v.node, v.bits, v.recomputed_from) for v in self.memory.values]
-        text = json.dumps([self.budget, decisions, memory], sort_keys=True)
+        schedule = None if self.schedule is None else [self.schedule.get(k) for k in ("kind", "total_steps",
+                                                                                     "exact_fraction")]
+        text = json.dumps([self.budget, decisions, memory] + ([schedule] if schedule else []), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def decision(self, node_name: str) -> LayerDecision:
@@ -274,6 +279,7 @@ class Plan:
             "lowest_reachable": self.lowest_reachable,
             "measured_speedup": self.measured_speedup,
             "check": self.check,
+            "schedule": self.schedule,
             "fingerprint": self.fingerprint(),
         }
 
@@ -293,4 +299,4 @@ class Plan:
                    predicted_steps=data.get("predicted_steps"), auto_advice=data.get("auto_advice"),
                    warnings=tuple(data.get("warnings", ())), lowest_reachable=data.get("lowest_reachable"),
                    measured_speedup=data.get("measured_speedup"), check=data.get("check"),
-                   **fields)
+                   schedule=data.get("schedule"), **fields)

@@ -128,6 +128,9 @@ class Report:
                                + f", {_flops(plan.total_planned_flops)} of {_flops(plan.total_exact_flops)} per step",
                      None if plan.budget_met else "yellow"))
         rows.append(("sampled", _sampled_text(plan), "green" if plan.approximated else None))
+        if plan.schedule and plan.approximated and (plan.schedule["kind"] != "constant"
+                                                    or plan.schedule["total_steps"] is not None):
+            rows.append(("schedule", _schedule_text(plan.schedule), None))
         predicted = _predicted_text(plan)
         if predicted:
             rows.append(("predicted", predicted, None))
@@ -325,3 +328,9 @@ def _memory_text(memory) -> str:
     return (f"saved activations {memory.total_exact_bytes / 2**20:.1f} MiB → {memory.total_planned_bytes / 2**20:.1f}"
             f" MiB ({memory.achieved:.3f} of exact, {'met' if memory.budget_met else 'NOT met'})"
             + (f": {how}" if how else ""))
+
+
+def _schedule_text(schedule: dict) -> str:
+    from fxapprox.schedule import ScheduleRecord
+
+    return ScheduleRecord(**schedule).describe()

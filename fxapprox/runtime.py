@@ -31,6 +31,7 @@ from fxapprox.plan import Plan
 from fxapprox.ranks import mean_over_ranks, plan_of_rank_zero
 from fxapprox.report import Report
 from fxapprox.saved_activations import SavedActivationStats, compressing_saved_tensors
+from fxapprox.schedule import NoiseScale, ScheduleRecord, schedule_strength, step_fraction
 
 __all__ = ["ApproxRuntime"]
 
@@ -83,6 +84,7 @@ class ApproxRuntime:
             check.cancel()
             state.check = None
         state.training_steps += 1
+        self._follow_schedule(state.training_steps)
         every = state.config.activation_replan_every
         if every and state.training_steps % every == 0 and state.memory_budget is not None \
                 and state.saving is not None:
@@ -129,11 +131,17 @@ class ApproxRuntime:
 
     def _check_due(self, step: int) -> bool:
         every = self._check_every()
-        if every is None or step % every:
+        if every is None:
+            return False
+        state = self._fxapprox_state
+        # schedule="noise" checks in pairs (the step after a check too): two batches' exact gradients at nearly the
+        # same weights give the noise scale
+        paired = state.config.schedule_kind == "noise" and every > 1 and step % every == 1 and step > 1
+        if step % every and not paired:
             return False
         plan = self.plan
-        return bool(plan.approximated) or (plan.memory is not None and bool(plan.memory.compressed
-                                                                             or plan.memory.recomputed))
+        sampling = bool(plan.approximated) and state.strength > 0
+        return sampling or (plan.memory is not None and bool(plan.memory.compressed or plan.memory.recomputed))
 
     def _reference_call(self, args, kwargs, aliases, keep_forward: bool = False):
         """The model on ``aliases`` of its parameters, exact (the guard's reference pass) or, with
@@ -210,7 +218,7 @@ class ApproxRuntime:
                              calibrated_error=calibrated, alignment=alignment, cosine=cosine,
                              exact_seconds=exact_seconds, approx_seconds=approx_seconds,
                              layers=tuple(layers), planned_flops=plan.achieved)
-        record = self._act_on_check(record, factors)
+        record = self._follow_noise(self._act_on_check(record, factors), exact)
         state.history.append(record)
         if config.check_verbose:
             _console().print(record.line(), highlight=False)
@@ -240,8 +248,8 @@ class ApproxRuntime:
         gain = None
         if plan.approximated:
             # Steps from what this step measured: each family's error squared times its cost (passes/payoff.py).
-            steps = payoff.steps(config.backward_error_cost * record.backward_error ** 2
-                                 + config.forward_error_cost * record.output_error ** 2)
+            backward_cost, forward_cost = config.error_costs
+            steps = payoff.steps(backward_cost * record.backward_error ** 2 + forward_cost * record.output_error ** 2)
             gain = speedup / steps
             if auto and config.min_gain is not None and gain < config.min_gain:
                 why.append(f"{speedup:.2f}x faster per step but {steps:.2f}x the steps: {gain:.2f}x < min_gain "
@@ -284,13 +292,87 @@ class ApproxRuntime:
                 continue
             spec = module.fxapprox_spec
             if decision.approximate:
-                module.fxapprox_spec = SamplingSpec(method=decision.method, k=decision.k, n=decision.n,
+                # the schedule's strength scales the dropped pairs (fxapprox.schedule); n kept pairs: exact
+                k = decision.n - round(state.strength * (decision.n - decision.k))
+                module.fxapprox_spec = SamplingSpec(method=decision.method, k=max(1, k), n=decision.n,
                                                     mode=decision.mode, random_share=decision.random_share,
                                                     save_input=decision.save_input or "reference")
             else:
                 module.fxapprox_spec = dataclasses.replace(spec, k=spec.n)
         state.plan = plan
         state.report = Report(plan, state.model_name, state.report.input_shapes, state.history)
+
+    # -- the schedule over training -------------------------------------------------------------------
+    def _with_schedule(self, plan: Plan) -> Plan:
+        """``plan`` with the schedule it runs under (``ApproxConfig(schedule=..., total_steps=...)``)."""
+        config: ApproxConfig = self._fxapprox_state.config
+        record = ScheduleRecord.of(config.schedule_kind, config.total_steps, config.exact_fraction, plan.achieved)
+        return dataclasses.replace(plan, schedule=record.to_dict())
+
+    def _follow_schedule(self, step: int) -> None:
+        """Set the strength of training step ``step`` (step-driven schedules) and count its FLOPs."""
+        state = self._fxapprox_state
+        config: ApproxConfig = state.config
+        plan = state.plan
+        if plan is None:
+            return
+        kind = config.schedule_kind
+        if kind in ("mixed", "anneal"):
+            self._set_strength(schedule_strength(kind, step, config.total_steps, config.exact_fraction))
+        state.executed_flops += step_fraction(state.strength, plan.achieved)
+
+    def _set_strength(self, strength: float) -> None:
+        state = self._fxapprox_state
+        if strength != state.strength:
+            state.strength = strength
+            self._apply_plan(state.plan)
+
+    def _follow_noise(self, record: CheckRecord, exact: dict) -> CheckRecord:
+        """``schedule="noise"``: on the second check of a pair, update the noise scale from the two exact
+        gradients and lower the strength where the scale calls for it (``fxapprox.schedule.NoiseScale``)."""
+        state = self._fxapprox_state
+        config: ApproxConfig = state.config
+        if config.schedule_kind != "noise":
+            return record
+        pending, state.noise_pending = state.noise_pending, None
+        if pending is None or pending[0] != record.step - 1:
+            state.noise_pending = (record.step, exact)
+            return dataclasses.replace(record, strength=state.strength)
+        previous = pending[1]
+        inner = squares = 0.0
+        for name, gradient in exact.items():
+            other = previous.get(name)
+            if gradient is None or other is None:
+                continue
+            gradient, other = gradient.double(), other.double()
+            inner += float((gradient * other).sum())
+            squares += 0.5 * float(gradient.pow(2).sum() + other.pow(2).sum())
+        inner, squares = mean_over_ranks([inner, squares], next(iter(self.parameters())).device)
+        if state.noise is None:
+            state.noise = NoiseScale()
+        state.noise.update(inner, squares)
+        plan = self.plan
+        speedup = plan.measured_speedup or plan.predicted_speedup or record.speedup
+        before = state.strength
+        self._set_strength(state.noise.strength(before, speedup, plan.achieved))
+        ratio = state.noise.ratio
+        note = (f"gradient noise scale B_noise/B {ratio:.3g}: "
+                + (f"strength {before:g} → {state.strength:g}" if state.strength != before
+                   else f"strength {before:g} kept"))
+        return dataclasses.replace(record, noise_scale=ratio, strength=state.strength,
+                                   note="; ".join(filter(None, [record.note, note])))
+
+    @property
+    def executed_flops(self) -> float:
+        """Training FLOPs the steps so far executed as a fraction of exact training's (the schedule's strengths
+        counted; 1.0 before the first step).
+
+        Example::
+
+            >>> approx.executed_flops    # e.g. 0.625: the plan at 0.5 for 750 steps, exact for 250
+        """
+        state = self._fxapprox_state
+        return state.executed_flops / state.training_steps if state.training_steps else 1.0
 
     # -- public surface ---------------------------------------------------
     @property

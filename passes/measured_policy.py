@@ -72,8 +72,7 @@ def _predicted(candidate: Candidate, node, weights: dict, owners: int, heads: se
                                                head=node.name in heads)
     predicted = dataclasses.replace(candidate, contribution=contribution, predicted_error=math.sqrt(contribution),
                                     step_contribution=step_contribution)
-    predicted = dataclasses.replace(predicted, step_cost=step_cost(predicted, config.backward_error_cost,
-                                                                   config.forward_error_cost))
+    predicted = dataclasses.replace(predicted, step_cost=step_cost(predicted, *config.error_costs))
     if factors is None:
         return predicted
     scale = factors.scale(predicted)
@@ -150,6 +149,17 @@ def _collect(gm, layers, config: ApproxConfig, choices: dict, payoff: GainModel,
                      for c in layer.candidates if c.blocked is None and c.measured}
         _write_candidates(node, predicted)
         measured = list(predicted.values())
+        if node.name in heads and layer.pinned_ratio is None and config.mode is None:
+            # An output layer's forward error is the loss's own: the layers below cannot adapt to it, and the
+            # error costs fitted on inner layers understate it (benchmarks/output_layer.py: the LM head sampled
+            # in its forward cost a fine-tuned model 60% validation loss). Its backward modes stay open; a mode
+            # the user pins (ApproxConfig(mode="forward")) is taken as asked.
+            inner = [c for c in measured if c.mode != "forward"]
+            if measured and not inner:
+                choices[node] = Choice(None, "an output layer is not sampled in its forward (its output error is "
+                                             "the loss's own) and no other mode was measured for it")
+                continue
+            measured = inner
         fast = [c for c in measured if _fast(c, config)]
         if layer.pinned_ratio is not None:
             if measured:

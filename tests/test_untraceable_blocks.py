@@ -108,8 +108,8 @@ def test_untraceable_blocks_are_captured_and_the_budget_is_spent(block):
     assert plan.budget_met and plan.achieved <= BUDGET + 1e-9, plan.note
     assert executed_fraction(model.train(), approx, (ids,)) <= BUDGET + SLACK
     assert [u["module"] for u in plan.untraced] == [f"blocks.{i}" for i in range(4)]
-    sampled = {d.node for d in plan.layers if d.approximate}
-    inside = {f"blocks_{i}_{name}" for i in range(4) for name in ("qkv", "proj", "mlp_0", "mlp_2")}
+    sampled = {d.target for d in plan.layers if d.approximate}   # by module path: node names differ per capture
+    inside = {f"blocks.{i}.{name}" for i in range(4) for name in ("qkv", "proj", "mlp.0", "mlp.2")}
     assert len(sampled & inside) >= 8, sampled   # the blocks' own layers carry the budget
     report = " ".join(str(approx.report).split())   # the rows wrap at 120 columns
     assert f"could not trace 'blocks.0', 'blocks.1', 'blocks.2' and 1 more ({block.__name__})" in report
