@@ -19,9 +19,20 @@ configuration interleaved in one process, one thread, median of per-round ratios
 between runs), for the plan at full strength and switched off, and each configuration is planned once from a cold
 timing cache (its planning seconds). A run's time in exact steps is then: planning ÷ exact step seconds, plus each
 step at its schedule strength (step time interpolated between the two measured ends), plus one exact step per
-guard check. **Equal wall-clock** compares the configuration's final loss with exact trained on its own schedule
-of that many steps; **time to exact's loss** is when the configuration's running-best validation loss first reaches
-exact(N)'s final loss, as a fraction of exact's time to it.
+guard check. The error costs depend on whether a schedule ends exactly (``ApproxConfig.error_costs``), so
+``0.5 constant`` and ``0.5 noise`` plan the budget apart; that plan is timed the same way, alone, after the runs.
+**Equal wall-clock** compares the configuration's final loss with exact trained on its own schedule of that many
+steps; **wall-clock less planning** with exact trained as long as the run took after planning (``budget="auto"``'s
+target: behind exact by no more than its planning time); **time to exact's loss** is when the configuration's
+running-best validation loss first reaches exact(N)'s final loss, as a multiple of exact's time to it.
+
+Calibration (tuning workloads, ``cal`` / ``calmix`` runs): the budget spent on one family of approximation
+(``mode="forward"`` or ``"backward"``), on every step or under the mixed schedule, the guard measuring without
+acting; each run's final loss is read as the exact schedule length that ends there (a steps multiplier ``m``), and
+``(m − 1) / (sampled share · e²)`` against the plan's predicted error ``e`` fits ``backward_error_cost`` /
+``forward_error_cost`` (the constant runs) and the tail factors (mixed ÷ constant). ``--calibrate`` prints the fit
+from the runs done so far. Exact schedules of ``0.5·N`` steps are added there (a calibration plan may need twice
+exact's steps); a workload whose exact final loss does not fall with its schedule length is left out of the fit.
 
 Tuning workloads (the default schedule, ``exact_fraction`` and ``budget="auto"``'s settings were chosen on them):
 ``digits_cnn`` (a CNN from scratch) and ``char_transformer_small``. Held out (reported apart): ``llama_small`` (a
@@ -31,7 +42,8 @@ pretrained character LM fine-tuned on new text, in full and with PEFT LoRA).
 Results are kept under ``benchmarks/.data/time_to_quality/`` (a rerun resumes); ``--write`` puts the tables in
 BENCHMARKS.md (section ``time_to_quality``) and docs/loss_per_second.md, and the plots in docs/.
 
-Usage: python benchmarks/time_to_quality.py [--workloads ...] [--seeds 0 1 2] [--workers 2] [--write]
+Usage: python benchmarks/time_to_quality.py [--workloads ...] [--seeds 0 1 2] [--workers 2] [--only exact ...]
+       [--calibrate] [--write]
 """
 
 from __future__ import annotations
@@ -187,7 +199,21 @@ def run(task: tuple) -> dict:
     return result
 
 
-# -- measured alone: planning seconds and paired step times ----------------------------------------------------------
+# -- measured alone: planning seconds and paired step times ----
+def _stepper(spec: Spec, workload, model: nn.Module, batch: tuple, switch: bool | None = None):
+    """One training step of ``model`` on ``batch`` (its own optimizer); with ``switch``, approximation set to it for
+    the step (``False``: the approximated model run exactly)."""
+    optimizer, scheduler = spec.optimizer(trainable(model), 10 ** 6)
+
+    def step():
+        if switch is not None:
+            model.set_approximate(switch)
+        train_step(workload, model, optimizer, scheduler, *batch)
+        if switch is not None:
+            model.set_approximate(True)
+    return step
+
+
 def measure(name: str, cache: Path, rounds: int) -> dict:
     """Each family's planning seconds from a cold timing cache, and its step time against exact (paired,
     interleaved, one thread): the plan at full strength (``on``) and switched off (``off``)."""
@@ -202,23 +228,11 @@ def measure(name: str, cache: Path, rounds: int) -> dict:
         models[label] = approximate(model, label, workload.example, spec.steps, cache, guard=False)
         planning[label] = time.perf_counter() - start
     exact = workload.build()
-    x, y = next(workload.batches(999))
-    steps = {}
-
-    def stepper(model, switch=None):
-        optimizer, scheduler = spec.optimizer(trainable(model), 10 ** 6)
-
-        def step():
-            if switch is not None:
-                model.set_approximate(switch)
-            train_step(workload, model, optimizer, scheduler, x, y)
-            if switch is not None:
-                model.set_approximate(True)
-        return step
-    steps["exact"] = stepper(exact)
+    batch = next(workload.batches(999))
+    steps = {"exact": _stepper(spec, workload, exact, batch)}
     for label, model in models.items():
-        steps[f"{label} on"] = stepper(model)
-        steps[f"{label} off"] = stepper(model, switch=False)
+        steps[f"{label} on"] = _stepper(spec, workload, model, batch)
+        steps[f"{label} off"] = _stepper(spec, workload, model, batch, switch=False)
     samples = interleaved_samples(steps, rounds, warmup=3)
     ratios = {key: paired_ratio(samples, "exact", key) for key in steps if key != "exact"}
     plans = {label: {"achieved": m.plan.achieved, "sampled": len(m.plan.approximated), "layers": len(m.plan.layers),
@@ -242,21 +256,10 @@ def measure_untailed(name: str, cache: Path, rounds: int) -> dict:
         approximate(workload.build(), label, workload.example, spec.steps, Path(scratch), guard=False)
         planning = time.perf_counter() - start
     model = approximate(workload.build(), label, workload.example, spec.steps, cache, guard=False)
-    exact = workload.build()
-    x, y = next(workload.batches(999))
-
-    def stepper(module, switch=None):
-        optimizer, scheduler = spec.optimizer(trainable(module), 10 ** 6)
-
-        def step():
-            if switch is not None:
-                module.set_approximate(switch)
-            train_step(workload, module, optimizer, scheduler, x, y)
-            if switch is not None:
-                module.set_approximate(True)
-        return step
-    samples = interleaved_samples({"exact": stepper(exact), "on": stepper(model), "off": stepper(model, False)},
-                                  rounds, warmup=3)
+    batch = next(workload.batches(999))
+    samples = interleaved_samples({"exact": _stepper(spec, workload, workload.build(), batch),
+                                   "on": _stepper(spec, workload, model, batch),
+                                   "off": _stepper(spec, workload, model, batch, switch=False)}, rounds, warmup=3)
     family_name = family(label)
     return {"planning": planning, "ratios": {f"{family_name} on": paired_ratio(samples, "exact", "on"),
                                               f"{family_name} off": paired_ratio(samples, "exact", "off")},
