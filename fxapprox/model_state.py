@@ -59,8 +59,9 @@ class ModelState:
     noise_pending: Any = None  # (step, {name: exact gradient})
 
     def portable(self) -> "ModelState":
-        """A copy without the check in flight (its hooks belong to this module's tensors), for copies and pickles."""
-        return dataclasses.replace(self, check=None, in_reference=False)
+        """A copy without the check in flight (its hooks belong to this module's tensors) and without the noise
+        schedule's held gradients (the next pair of checks starts afresh), for copies and pickles."""
+        return dataclasses.replace(self, check=None, in_reference=False, noise_pending=None)
 
 
 def check_loaded(body: dict) -> None:

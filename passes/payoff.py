@@ -13,11 +13,11 @@ cost training differently for the same gradient error (``benchmarks/bench_loss_p
   · e_f²``.
 
 So ``steps = 1 + backward_error_cost · e_b² + forward_error_cost · e_f²`` (the two ``ApproxConfig`` fields,
-fitted at the end of warm-up + cosine schedules, ``benchmarks/time_to_quality.py``) and the plan's **gain** — how much sooner it reaches a given loss — is
-``speed-up / steps``; above 1 it is ahead of exact training at equal wall-clock. It orders how the measured
-policy spends a numeric budget and is reported beside the plan; under ``budget="auto"`` it decides: the walk
-stops where more sampling would lower the gain, and the model stays exact when no plan's gain reaches
-``ApproxConfig.min_gain``.
+fitted at the end of warm-up + cosine schedules, ``benchmarks/time_to_quality.py``) and the plan's **gain** — how
+much sooner it reaches a given loss — is ``speed-up / steps``; above 1 it is ahead of exact training at equal
+wall-clock. It orders how the measured policy spends a numeric budget and is reported beside the plan; under
+``budget="auto"`` it decides: the walk stops where more sampling would lower the gain, and the model stays exact
+when no plan's gain reaches ``ApproxConfig.min_gain``.
 
 The cost depends on the phase of training a family's error falls in: under a schedule whose last steps train
 exactly (``"mixed"``, ``"anneal"``) a forward-sampled model is largely recovered by the exact tail, so
