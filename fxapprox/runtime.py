@@ -64,6 +64,10 @@ class ApproxRuntime:
             return super().__call__(*args, **kwargs)
         if not torch.compiler.is_compiling():
             return self._training_call(args, kwargs)
+        if state.config.schedule_kind != "constant":
+            # the schedule counts steps and sets keep-ratios outside the compiled graph (a graph break; a change
+            # of strength recompiles); a constant plan compiles whole
+            self._compiled_step(args, kwargs)
         if self._check_every() is not None and not state.warned_compile:
             state.warned_compile = True
             warnings.warn("fxapprox: the guard (ApproxConfig(check_every=...)) does not run under torch.compile; "
@@ -109,6 +113,11 @@ class ApproxRuntime:
                           replay=forward and backward)
         state.check = check
         return check.run(call)
+
+    @torch._dynamo.disable
+    def _compiled_step(self, args, kwargs) -> None:
+        if self._fxapprox_state.saving is None:   # the compressing call counts its own steps
+            self._begin_step(args, kwargs)
 
     @torch._dynamo.disable
     def _compressing_call(self, *args, **kwargs):
@@ -217,7 +226,7 @@ class ApproxRuntime:
                              predicted_output_error=math.sqrt(families["output"]),
                              calibrated_error=calibrated, alignment=alignment, cosine=cosine,
                              exact_seconds=exact_seconds, approx_seconds=approx_seconds,
-                             layers=tuple(layers), planned_flops=plan.achieved)
+                             layers=tuple(layers), planned_flops=plan.achieved, strength=state.strength)
         record = self._follow_noise(self._act_on_check(record, factors), exact)
         state.history.append(record)
         if config.check_verbose:
@@ -265,8 +274,8 @@ class ApproxRuntime:
             return dataclasses.replace(record, action="measured",
                                        note="; ".join(why) + " (policy='flops' plans are not re-planned)")
         planning = self._planning_module()
-        new = plan_of_rank_zero(planning, replan(planning, plan, factors, speedup, record.step, config,
-                                                  "; ".join(why)))
+        new = self._with_schedule(plan_of_rank_zero(planning, replan(planning, plan, factors, speedup, record.step,
+                                                                     config, "; ".join(why))))
         self._apply_plan(new)
         changed = [d for d, old in zip(new.layers, plan.layers)
                    if (d.approximate, d.mode, d.method, d.k) != (old.approximate, old.mode, old.method, old.k)]
@@ -349,7 +358,8 @@ class ApproxRuntime:
             squares += 0.5 * float(gradient.pow(2).sum() + other.pow(2).sum())
         inner, squares = mean_over_ranks([inner, squares], next(iter(self.parameters())).device)
         if state.noise is None:
-            state.noise = NoiseScale()
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            state.noise = NoiseScale(ranks=torch.distributed.get_world_size() if distributed else 1)
         state.noise.update(inner, squares)
         plan = self.plan
         speedup = plan.measured_speedup or plan.predicted_speedup or record.speedup

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from fxapprox._validate import check_fraction, check_int
 
 __all__ = ["ANNEAL_STAGES", "NOISE_LEVELS", "SCHEDULES", "NoiseScale", "ScheduleRecord", "SparseThenDense",
-           "schedule_strength", "step_fraction", "whole_run_fraction"]
+           "sampled_steps", "schedule_strength", "step_fraction", "whole_run_fraction"]
 
 #: the schedules ``ApproxConfig(schedule=...)`` accepts
 SCHEDULES = ("constant", "mixed", "anneal", "noise")
@@ -35,18 +35,24 @@ ANNEAL_STAGES = 8
 NOISE_LEVELS = (1.0, 0.75, 0.5, 0.25, 0.0)
 
 
+def sampled_steps(total_steps: int, exact_fraction: float) -> int:
+    """The steps before the exact tail: the tail is ``exact_fraction`` of the steps, rounded up (a tail of 2.5
+    steps is 3), so a short run with an exact share still ends exactly."""
+    return total_steps - math.ceil(exact_fraction * total_steps - 1e-9)
+
+
 def schedule_strength(kind: str, step: int, total_steps: int | None, exact_fraction: float) -> float:
     """The strength of training step ``step`` (1-based) under a step-driven schedule (``"noise"`` is driven by
     measurements: it returns 1 here and :class:`NoiseScale` lowers it)."""
     if kind in ("constant", "noise") or total_steps is None:
         return 1.0
-    sampled_steps = round((1.0 - exact_fraction) * total_steps)
-    if step > sampled_steps:
+    sampled = sampled_steps(total_steps, exact_fraction)
+    if step > sampled:
         return 0.0
     if kind == "mixed":
         return 1.0
     # anneal: stage j of ANNEAL_STAGES runs at strength 1 − j / ANNEAL_STAGES
-    stage = min(ANNEAL_STAGES - 1, (step - 1) * ANNEAL_STAGES // max(1, sampled_steps))
+    stage = min(ANNEAL_STAGES - 1, (step - 1) * ANNEAL_STAGES // max(1, sampled))
     return 1.0 - stage / ANNEAL_STAGES
 
 
@@ -83,7 +89,7 @@ class ScheduleRecord:
     @classmethod
     def of(cls, kind: str, total_steps: int | None, exact_fraction: float, achieved: float) -> "ScheduleRecord":
         sampled = None if total_steps is None or kind in ("constant", "noise") else \
-            round((1.0 - exact_fraction) * total_steps)
+            sampled_steps(total_steps, exact_fraction)
         return cls(kind=kind, total_steps=total_steps, exact_fraction=exact_fraction, sampled_steps=sampled,
                    whole_run_flops=whole_run_fraction(kind, total_steps, exact_fraction, achieved))
 
@@ -123,8 +129,10 @@ class NoiseScale:
     again (the noise scale grows as training goes on).
     """
 
-    def __init__(self, decay: float = 0.5) -> None:
+    def __init__(self, decay: float = 0.5, ranks: int = 1) -> None:
         self.decay = decay
+        #: data-parallel ranks: each estimate is made on one rank's batch, the step averages ``ranks`` of them
+        self.ranks = ranks
         self.signal = None    # EMA of ⟨g_a, g_b⟩
         self.total = None     # EMA of (|g_a|² + |g_b|²) / 2
 
@@ -142,7 +150,7 @@ class NoiseScale:
             return None
         if self.signal <= 0:
             return math.inf
-        return max(0.0, (self.total - self.signal) / self.signal)
+        return max(0.0, (self.total - self.signal) / self.signal) / self.ranks
 
     def strength(self, current: float, speedup: float, achieved: float) -> float:
         """The strength with the largest predicted gain (speed per step ÷ steps needed), at most ``current``."""

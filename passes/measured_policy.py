@@ -152,14 +152,9 @@ def _collect(gm, layers, config: ApproxConfig, choices: dict, payoff: GainModel,
         if node.name in heads and layer.pinned_ratio is None and config.mode is None:
             # An output layer's forward error is the loss's own: the layers below cannot adapt to it, and the
             # error costs fitted on inner layers understate it (benchmarks/output_layer.py: the LM head sampled
-            # in its forward cost a fine-tuned model 60% validation loss). Its backward modes stay open; a mode
-            # the user pins (ApproxConfig(mode="forward")) is taken as asked.
-            inner = [c for c in measured if c.mode != "forward"]
-            if measured and not inner:
-                choices[node] = Choice(None, "an output layer is not sampled in its forward (its output error is "
-                                             "the loss's own) and no other mode was measured for it")
-                continue
-            measured = inner
+            # in its forward cost a fine-tuned model 60% validation loss). It takes one of its other modes where
+            # one was measured; a mode the user pins (config or override) is taken as asked.
+            measured = [c for c in measured if c.mode != "forward"] or measured
         fast = [c for c in measured if _fast(c, config)]
         if layer.pinned_ratio is not None:
             if measured:

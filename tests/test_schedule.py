@@ -87,7 +87,8 @@ def test_mixed_schedule_trains_exactly_after_its_sampled_steps(mode):
     approx = _approx("mixed", total_steps=8, mode=mode)
     exact = copy.deepcopy(_mlp())
     planned = _kept(approx)
-    assert approx.plan.approximated and all(k < 512 or k < 256 for k in planned)
+    sampled = [m for m in approx.modules() if hasattr(m, "fxapprox_spec") and m.fxapprox_spec.k < m.fxapprox_spec.n]
+    assert approx.plan.approximated and len(sampled) == len(approx.plan.approximated)
     optimizer = torch.optim.SGD(approx.parameters(), 0.05)
     for _ in range(6):
         _step(approx, optimizer, x, y)
@@ -141,10 +142,21 @@ def test_switches_keep_parameters_state_dict_and_optimizer_state():
 def test_set_approximate_off_wins_over_the_schedule():
     x, y = _data()
     approx = _approx("mixed", total_steps=8)
+    optimizer = torch.optim.SGD(approx.parameters(), 0.05)
+    _step(approx, optimizer, x, y)   # a sampled step: the schedule at full strength
     exact = _mlp()
     exact.load_state_dict(approx.state_dict())
     approx.set_approximate(False)
-    torch.testing.assert_close(approx(x), exact(x))
+    torch.testing.assert_close(approx(x), exact(x))   # still within the sampled steps, yet exact
+    approx.set_approximate(True)
+    assert _kept(approx) != tuple(m.fxapprox_spec.n for m in approx.modules() if hasattr(m, "fxapprox_spec"))
+
+
+def test_the_exact_tail_is_rounded_up():
+    from fxapprox.schedule import sampled_steps
+
+    assert [sampled_steps(n, 0.25) for n in (2, 6, 8, 10, 1000)] == [1, 4, 6, 7, 750]
+    assert sampled_steps(100, 0.2) == 80 and sampled_steps(5, 0.0) == 5
 
 
 def test_plan_and_report_show_the_schedule():
@@ -254,3 +266,17 @@ def test_error_costs_follow_the_phase_the_errors_fall_in():
     for value in (0.0, 1.5):
         with pytest.raises(ValueError, match="forward_tail_factor"):
             ApproxConfig(forward_tail_factor=value)
+
+
+def test_a_compiled_model_follows_its_schedule():
+    x, y = _data()
+    approx = _approx("mixed", total_steps=4, exact_fraction=0.5)
+    compiled = torch.compile(approx, backend="eager")
+    optimizer = torch.optim.SGD(approx.parameters(), 0.05)
+    for _ in range(4):
+        optimizer.zero_grad()
+        F.cross_entropy(compiled(x), y).backward()
+        optimizer.step()
+    assert approx._fxapprox_state.training_steps == 4
+    assert _kept(approx) == tuple(m.fxapprox_spec.n for m in approx.modules() if hasattr(m, "fxapprox_spec"))
+    assert approx.executed_flops == pytest.approx((2 * approx.plan.achieved + 2) / 4)
