@@ -71,6 +71,7 @@ from fxapprox import ApproxConfig  # noqa: E402
 from _common import interleaved_samples, machine_line, markdown_table, paired_ratio, print_table, write_section  # noqa: E402
 import workloads  # noqa: E402
 from workloads import warmup_cosine  # noqa: E402
+from _training import first_reach, smoothed  # noqa: E402
 
 DATA = HERE / ".data" / "time_to_quality"
 DOCS = HERE.parent / "docs"
@@ -353,21 +354,10 @@ CALIBRATION_HEADERS = ["workload", "plan", "seed", "FLOPs", "exact final", "plan
                        "predicted e", "fit"]
 
 
-def first_reach(times: list[float], curve: list, target: float) -> float:
-    """When a curve's running-best loss first reaches ``target`` (interpolated between evaluations); ``inf`` if
-    never."""
-    best = math.inf
-    previous = None
-    for step, loss in curve:
-        t = times[step]
-        if loss <= target and best > target:
-            if previous is None:
-                return t
-            t0, l0 = previous
-            return t0 + (t - t0) * (l0 - target) / (l0 - loss) if l0 > loss else t
-        best = min(best, loss)
-        previous = (t, best)
-    return math.inf
+def time_to_reach(times: list[float], curve: list, target: float) -> float:
+    """When a curve's running-best validation loss first reaches ``target`` (``_training.first_reach`` on the
+    curve in this protocol's time); ``inf`` if never."""
+    return first_reach(smoothed([(times[step], step, loss) for step, loss in curve]), target)
 
 
 @dataclass
@@ -396,14 +386,14 @@ def summarise(name: str, results: dict, timing: dict, seeds: list[int]) -> list[
             exact = results[("exact@1.0", seed)]
             run_ = results[(label, seed)]
             target = exact["curve"][-1][1]
-            exact_reach = first_reach(time_in_exact_steps(exact, timing), exact["curve"], target)
+            exact_reach = time_to_reach(time_in_exact_steps(exact, timing), exact["curve"], target)
             times = time_in_exact_steps(run_, timing)
             final = run_["curve"][-1][1]
             equal_steps.append(100 * (final / target - 1))
             equal_time.append(100 * (final / exact_final_at(exact_runs, times[-1]) - 1))
             planning_steps = times[0]
             less_planning.append(100 * (final / exact_final_at(exact_runs, times[-1] - planning_steps) - 1))
-            reach.append(first_reach(times, run_["curve"], target) / exact_reach)
+            reach.append(time_to_reach(times, run_["curve"], target) / exact_reach)
             flops.append(run_.get("executed_flops", 1.0))
             guard.append(len(run_.get("check_steps", ())) * timing["exact_step"])
         first = results[(label, seeds[0])]
@@ -502,6 +492,7 @@ def main() -> None:
                         help="only print the error-cost fits from the calibration runs done so far")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(1)   # what every run and timing uses (and what the machine line says)
     DATA.mkdir(parents=True, exist_ok=True)
     cache = DATA / "timing_cache"
     timings = {}

@@ -52,8 +52,8 @@ class ModelState:
     warned_compile: bool = False
     #: the schedule's strength in force (``fxapprox.schedule``: 1 the plan, 0 exact)
     strength: float = 1.0
-    #: the training FLOPs the steps so far executed, in exact steps (``executed_flops`` ÷ ``training_steps``)
-    executed_flops: float = 0.0
+    #: the training FLOPs the steps so far executed, in exact steps (÷ ``training_steps``: ``executed_flops``)
+    executed_flops_sum: float = 0.0
     #: ``schedule="noise"``: the gradient noise scale's estimate and the last check's exact gradients
     noise: Any = None         # fxapprox.schedule.NoiseScale
     noise_pending: Any = None  # (step, {name: exact gradient})

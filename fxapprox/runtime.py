@@ -328,7 +328,7 @@ class ApproxRuntime:
         kind = config.schedule_kind
         if kind in ("mixed", "anneal"):
             self._set_strength(schedule_strength(kind, step, config.total_steps, config.exact_fraction))
-        state.executed_flops += step_fraction(state.strength, plan.achieved)
+        state.executed_flops_sum += step_fraction(state.strength, plan.achieved)
 
     def _set_strength(self, strength: float) -> None:
         state = self._fxapprox_state
@@ -382,7 +382,7 @@ class ApproxRuntime:
             >>> approx.executed_flops    # e.g. 0.625: the plan at 0.5 for 750 steps, exact for 250
         """
         state = self._fxapprox_state
-        return state.executed_flops / state.training_steps if state.training_steps else 1.0
+        return state.executed_flops_sum / state.training_steps if state.training_steps else 1.0
 
     # -- public surface ---------------------------------------------------
     @property

@@ -69,9 +69,13 @@ def whole_run_fraction(kind: str, total_steps: int | None, exact_fraction: float
         return achieved
     if kind == "noise" or total_steps is None:
         return None
-    total = sum(step_fraction(schedule_strength(kind, step, total_steps, exact_fraction), achieved)
-                for step in range(1, total_steps + 1))
-    return total / total_steps
+    sampled = sampled_steps(total_steps, exact_fraction)
+    if kind == "mixed":
+        strength_steps = float(sampled)
+    else:   # anneal: stage j covers the steps t (0-based) with t·ANNEAL_STAGES // sampled == j
+        bounds = [min(sampled, -(-j * sampled // ANNEAL_STAGES)) for j in range(ANNEAL_STAGES + 1)]
+        strength_steps = sum((1.0 - j / ANNEAL_STAGES) * (bounds[j + 1] - bounds[j]) for j in range(ANNEAL_STAGES))
+    return 1.0 - strength_steps * (1.0 - achieved) / total_steps
 
 
 @dataclass(frozen=True)

@@ -280,3 +280,12 @@ def test_a_compiled_model_follows_its_schedule():
     assert approx._fxapprox_state.training_steps == 4
     assert _kept(approx) == tuple(m.fxapprox_spec.n for m in approx.modules() if hasattr(m, "fxapprox_spec"))
     assert approx.executed_flops == pytest.approx((2 * approx.plan.achieved + 2) / 4)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "anneal"])
+@pytest.mark.parametrize("steps, exact_fraction", [(8, 0.25), (32, 0.25), (100, 0.2), (7, 0.5), (3, 0.0), (1000, 0.3)])
+def test_whole_run_flops_are_the_mean_of_the_steps(kind, steps, exact_fraction):
+    from fxapprox.schedule import step_fraction
+
+    per_step = [step_fraction(schedule_strength(kind, s, steps, exact_fraction), 0.4) for s in range(1, steps + 1)]
+    assert whole_run_fraction(kind, steps, exact_fraction, 0.4) == pytest.approx(sum(per_step) / steps, abs=1e-12)
