@@ -85,3 +85,32 @@ def report_tables(tables: list, section: str | None, heading: str) -> None:
         return
     markdown = "\n\n".join(f"**{title}**\n\n{markdown_table(headers, rows)}" for title, headers, rows in tables)
     write_section(section, f"{heading} — {machine_line()}\n\n{markdown}")
+
+
+def proc_status(field: str) -> int:
+    """A byte count from ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``VmSize``, …)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def step_peak_growth(step, repeats: int = 3, prepare=None) -> int:
+    """The median over ``repeats`` runs of ``step()``'s peak resident-set growth: the kernel's high-water mark is
+    reset (``/proc/self/clear_refs``) before the step, growth = ``VmHWM`` after − ``VmRSS`` before. ``prepare()``
+    runs before each (outside the measurement). Run with glibc's ``MALLOC_MMAP_THRESHOLD_`` low, so freed tensors
+    leave the resident set."""
+    import gc
+
+    growths = []
+    for _ in range(repeats):
+        if prepare is not None:
+            prepare()
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        before = proc_status("VmRSS")
+        step()
+        growths.append(proc_status("VmHWM") - before)
+    return sorted(growths)[len(growths) // 2]

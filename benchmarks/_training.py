@@ -9,6 +9,8 @@ A configuration is a label:
 * ``B spent+guard`` — the same as ``B``;
 * ``auto`` — ``fxapprox.approximate(model, "auto")`` (the default: the pay-off model chooses, the guard holds it
   to ``max_grad_error`` and ``min_gain``);
+* ``memory M`` — ``fxapprox.approximate(model, 1.0, memory_budget=M)``: the compute exact, only what is saved for
+  backward changes (the memory plan);
 * ``fixed MODE METHOD RATIO`` — every eligible layer pinned to one mode, method and keep-ratio (no timing, no
   tolerance), the guard measuring only (``check_replan=False``, every 10 steps): calibration points.
 
@@ -36,6 +38,9 @@ def approximate(model: nn.Module, label: str, example: tuple) -> nn.Module:
                               check_verbose=False,
                               overrides=(LayerOverride(r".*", mode=mode, method=method, keep_ratio=float(ratio)),))
         return fxapprox.approximate(model, 0.99, example_inputs=example, config=config)
+    if label.startswith("memory "):
+        return fxapprox.approximate(model, 1.0, memory_budget=float(label.split()[1]), example_inputs=example,
+                                    config=ApproxConfig(check_verbose=False, check_every=None))
     if label == "auto":
         return fxapprox.approximate(model, "auto", example_inputs=example,
                                     config=ApproxConfig(check_verbose=False))

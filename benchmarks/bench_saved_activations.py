@@ -42,7 +42,7 @@ import fxapprox
 from fxapprox import ApproxConfig
 from fxapprox.saved_activations import count_saved_bytes
 
-from _common import interleaved_medians, report_tables
+from _common import interleaved_medians, proc_status, report_tables, step_peak_growth
 
 RESOLUTION = 160
 VARIANTS = {  # name -> approximate() keyword arguments (budget=1: only activations change)
@@ -80,14 +80,6 @@ def _step(module, optimizer, x, y):
 
 
 # -- subprocess measurements ---------------------------------------------------------------------
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _child_model(variant: str, x):
     model = _resnet50()
     return model if variant == "exact" else _approximate(model, variant, x)
@@ -99,17 +91,8 @@ def child_rss(variant: str, batch: int, steps: int) -> dict:
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     step = _step(module, optimizer, x, y)
     step()  # warm-up: compiles the packer, allocates gradients and optimizer state
-    growths = []
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated: the growth is activations + temporaries
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        before = _status("VmRSS")
-        step()
-        growths.append(_status("VmHWM") - before)
-    growths.sort()
-    return {"growth": growths[len(growths) // 2]}
+    # gradients stay allocated: the growth is activations + temporaries
+    return {"growth": step_peak_growth(step, steps, prepare=lambda: optimizer.zero_grad(set_to_none=False))}
 
 
 def child_cap(variant: str, cap: int, start: int) -> dict:
@@ -118,7 +101,7 @@ def child_cap(variant: str, cap: int, start: int) -> dict:
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     _step(module, optimizer, x, y)()
     gc.collect()
-    limit = _status("VmSize") + cap
+    limit = proc_status("VmSize") + cap
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     failures = []

@@ -21,14 +21,11 @@ from fxapprox.config import ApproxConfig
 from fxapprox.eager import approximate_eager
 from fxapprox.errors import TraceError
 from fxapprox.graph_pickle import reduce_graph_module
-from fxapprox.memory_planning import memory_planned, plan_saved_activations
-from fxapprox.ops.attention import as_in_compressed_training
+from fxapprox.memory_planning import choose_memory_plan, memory_planned, plan_saved_activations
 from fxapprox.ops.sampling import METHODS
 from fxapprox.passes.budget_policy import AUTO_BUDGET
 from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.measure_candidates import measure_candidates
-from fxapprox.passes.measure_saved import measure_saved_values
-from fxapprox.passes.memory_policy import memory_candidates, plan_memory
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.passes.rewrite_saved import remove_saved_markers, rewrite_saved_activations
@@ -87,7 +84,7 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         with measurement_sandbox(self):
             plan = self._measure_planned_step(plan, inputs, lambda: self.forward(*inputs))
         if memory_planned(state.memory_budget, config):
-            plan = plan_saved_activations(self, inputs, plan, state, config)
+            plan = plan_saved_activations(self, inputs, plan, state, config, checkpoint_blocks=True)
         plan = self._with_schedule(plan)
         state.plan = plan
         state.report = Report(plan, state.model_name, _shapes(inputs), state.history)
@@ -114,15 +111,10 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         if plan.memory is None:
             raise RuntimeError("replan_memory needs a memory plan: approximate the model with memory_budget < 1 "
                                "(activation_bits plans choose no widths)")
-        config: ApproxConfig = state.config
         inputs = self._positional_inputs(args, kwargs)
         remove_saved_markers(self)
-        config = state.memory_config
-        with measurement_sandbox(self), as_in_compressed_training():
-            if config.activation_policy == "measured" and config.activation_bits is None:
-                measure_saved_values(self, *inputs, values=memory_candidates(self, config), config=config,
-                                     progress=config.progress)
-        memory_plan = plan_memory(self, state.memory_budget, config)
+        memory_plan = choose_memory_plan(self, inputs, state.memory_budget, state.memory_config,
+                                         checkpoint_blocks=True)
         rewrite_saved_activations(self, memory_plan)
         plan = dataclasses.replace(plan, memory=memory_plan)
         state.plan = plan

@@ -178,6 +178,12 @@ class ApproxConfig:
       residual stream's copy: one more GEMM in backward for the largest saved value).
       ``"auto"`` (default): ``"linear"`` only when the budget cannot be met otherwise with
       every value at 8 bits or more, else ``True``. ``False``: nothing is rebuilt.
+    - ``activation_checkpoint``: let ``memory_budget`` checkpoint whole blocks (the items of a
+      container: transformer layers, ResNet bottlenecks) — keep only their inputs and run them
+      again in backward (the re-run holding its values exact, or as 8-bit copies where the budget
+      needs it) — where that is predicted to cost less step time than compressing what they save
+      (each block's forward and the packer are timed on the example batch). ``False``: values
+      only. Traced models; a region-captured model plans values only.
     - ``activation_replan_every``: with a ``memory_budget``, choose the widths again every
       this many training steps, measured on that step's batch and the current weights
       (``ApproxGraphModule.replan_memory``); ``None`` (default) plans once.
@@ -244,6 +250,7 @@ class ApproxConfig:
     activation_min_bytes: int = 65536
     activation_policy: str = "measured"
     activation_recompute: bool | str = "auto"
+    activation_checkpoint: bool = True
     activation_replan_every: int | None = None
     activation_compile: bool = True
     # -- LSTM layers ----------------------------------------------------------------------------------------------
@@ -310,6 +317,8 @@ class ApproxConfig:
             raise ValueError(f"activation_group_size must be a multiple of 8, got {self.activation_group_size!r}")
         check_choice("activation_rounding", self.activation_rounding, ROUNDINGS)
         check_int("activation_min_bytes", self.activation_min_bytes, minimum=0)
+        if not isinstance(self.activation_checkpoint, bool):
+            raise TypeError(f"activation_checkpoint must be a bool, got {self.activation_checkpoint!r}")
         if not isinstance(self.activation_compile, bool):
             raise TypeError(f"activation_compile must be a bool, got {self.activation_compile!r}")
         check_choice("activation_policy", self.activation_policy, ("measured", "width"))

@@ -12,15 +12,18 @@ from fxapprox.config import ApproxConfig
 from fxapprox.ops.attention import as_in_compressed_training
 from fxapprox.passes.attention_recompute import recompute_attention
 from fxapprox.passes.compact_pooling import compact_max_pools
+from fxapprox.passes.blocks import find_blocks
+from fxapprox.passes.measure_blocks import measure_memory_options, measure_memory_step
 from fxapprox.passes.measure_saved import measure_saved_values
-from fxapprox.passes.memory_policy import memory_candidates, plan_memory, resolve_recompute
+from fxapprox.passes.memory_policy import calibrated_timings, memory_candidates, plan_memory, resolve_recompute
 from fxapprox.passes.rewrite_saved import rewrite_saved_activations
 from fxapprox.passes.saved_bytes import measure_saved_bytes
+from fxapprox.passes.saved_values import saved_values
 from fxapprox.model_state import ModelState
-from fxapprox.plan import Plan
+from fxapprox.plan import MemoryPlan, Plan
 from fxapprox.saved_activations import SavingOptions
 
-__all__ = ["memory_planned", "plan_saved_activations"]
+__all__ = ["choose_memory_plan", "memory_planned", "plan_saved_activations"]
 
 
 def memory_planned(memory_budget: float | None, config: ApproxConfig) -> bool:
@@ -28,10 +31,44 @@ def memory_planned(memory_budget: float | None, config: ApproxConfig) -> bool:
     return config.activation_bits is not None or (memory_budget is not None and memory_budget < 1.0)
 
 
+def choose_memory_plan(gm: torch.fx.GraphModule, inputs: tuple, memory_budget: float | None, config: ApproxConfig,
+                       checkpoint_blocks: bool) -> MemoryPlan | None:
+    """Measure what the memory policy weighs — each value's gradient cost at 8/4/2 bits, and with
+    ``checkpoint_blocks`` each block's recompute time and the packer's — and plan (``gm``'s saved bytes measured,
+    no marker in it). ``config`` is the memory config (``activation_recompute`` resolved)."""
+    blocks, timings = (), None
+    with measurement_sandbox(gm), as_in_compressed_training():
+        candidates = memory_candidates(gm, config)
+        if config.activation_policy == "measured" and config.activation_bits is None:
+            measure_saved_values(gm, *inputs, values=candidates, config=config, progress=config.progress)
+        if checkpoint_blocks and config.activation_checkpoint and config.activation_bits is None \
+                and memory_budget is not None and memory_budget < 1.0:
+            values, _, _ = saved_values(gm)
+            blocks = tuple(find_blocks(gm, values))
+            if blocks:
+                largest = max((values[name] for name in candidates), key=lambda v: v.exact_bytes, default=None)
+                timings = measure_memory_options(gm, list(blocks), largest.root if largest else None, inputs,
+                                                 config)
+    values_only = plan_memory(gm, memory_budget, config)
+    if timings is None:
+        return values_only
+    # The packer timed alone misses what a compressing step pays around it: calibrate on the values-only plan's
+    # measured step, then weigh blocks against values.
+    with measurement_sandbox(gm):
+        measured = measure_memory_step(gm, values_only, inputs, config)
+    memory_plan = plan_memory(gm, memory_budget, config, blocks, calibrated_timings(timings, values_only, measured))
+    if memory_plan.checkpointed or memory_plan.values != values_only.values:
+        with measurement_sandbox(gm):
+            measured = measure_memory_step(gm, memory_plan, inputs, config)
+    return dataclasses.replace(memory_plan, measured_time=measured)
+
+
 def plan_saved_activations(gm: torch.fx.GraphModule, inputs: tuple, plan: Plan, state: ModelState,
-                           config: ApproxConfig) -> Plan:
+                           config: ApproxConfig, checkpoint_blocks: bool = False) -> Plan:
     """Plan and mark the saved activations of ``gm`` (``plan``'s sampled ops already rewritten); records the
-    resolved memory config and the saving options in ``state``; returns ``plan`` with its memory plan."""
+    resolved memory config and the saving options in ``state``; returns ``plan`` with its memory plan. With
+    ``checkpoint_blocks`` (a traced model whose training forward can run a checkpointed copy of its graph) and
+    ``config.activation_checkpoint``, the plan may checkpoint blocks too."""
     memory_budget = state.memory_budget
     compact_max_pools(gm)
     recompute_attention(gm)
@@ -39,10 +76,7 @@ def plan_saved_activations(gm: torch.fx.GraphModule, inputs: tuple, plan: Plan, 
     with measurement_sandbox(gm), as_in_compressed_training():
         measure_saved_bytes(gm, *inputs, progress=config.progress)
         memory_config = state.memory_config = resolve_recompute(gm, memory_budget, config)
-        if config.activation_policy == "measured" and config.activation_bits is None:
-            measure_saved_values(gm, *inputs, values=memory_candidates(gm, memory_config), config=memory_config,
-                                 progress=config.progress)
-    memory_plan = plan_memory(gm, memory_budget, memory_config)
+    memory_plan = choose_memory_plan(gm, inputs, memory_budget, memory_config, checkpoint_blocks)
     rewrite_saved_activations(gm, memory_plan)
     state.saving = SavingOptions(config.activation_group_size, config.activation_rounding,
                                     config.activation_compile)

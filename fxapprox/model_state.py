@@ -57,11 +57,13 @@ class ModelState:
     #: ``schedule="noise"``: the gradient noise scale's estimate and the last check's exact gradients
     noise: Any = None         # fxapprox.schedule.NoiseScale
     noise_pending: Any = None  # (step, {name: exact gradient})
+    #: the checkpointed training forward and the graph code it was built from (``ApproxRuntime``), rebuilt on demand
+    checkpointed: Any = None
 
     def portable(self) -> "ModelState":
         """A copy without the check in flight (its hooks belong to this module's tensors) and without the noise
         schedule's held gradients (the next pair of checks starts afresh), for copies and pickles."""
-        return dataclasses.replace(self, check=None, in_reference=False, noise_pending=None)
+        return dataclasses.replace(self, check=None, in_reference=False, noise_pending=None, checkpointed=None)
 
 
 def check_loaded(body: dict) -> None:

@@ -82,6 +82,38 @@ class SavedValueDecision:
     predicted_error: float | None = None
     #: the value backward rebuilds this one from (re-running its op on that value's copy); nothing is stored
     recomputed_from: str | None = None
+    #: the checkpointed block it lives in: nothing is stored, backward re-runs the block
+    checkpointed_in: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BlockDecision:
+    """One block the memory plan may checkpoint (``fxapprox.passes.blocks``): run again in backward instead of
+    keeping what it saves. Node names in graph order."""
+
+    name: str
+    nodes: list
+    inputs: list
+    attributes: list
+    outputs: list
+    #: exact bytes of the values saved only inside it (what a checkpoint frees)
+    interior_bytes: int
+    #: bytes of its input activations (a checkpoint keeps them, at the bits the plan gives them)
+    input_bytes: int
+    #: its forward, measured on the example batch: what a checkpoint adds to backward
+    recompute_seconds: float
+    checkpointed: bool
+    reason: str
+    #: bits its values are kept at while its backward runs after the re-run (``None``: as they are); then
+    #: ``recompute_values`` lists ``[node, bits, sign_exact]`` for each (the node after which it is marked)
+    recompute_bits: int | None = None
+    recompute_values: list = field(default_factory=list)
+    #: whether the plan keeps one of its inputs as a copy or rebuilds it (then it runs the reentrant checkpoint,
+    #: which saves its inputs through the compressing hooks)
+    inputs_copied: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,6 +134,18 @@ class MemoryPlan:
     predicted_error: float | None = None
     #: of ``internal_bytes``, what eager code saves in a hierarchically captured model (kept exact)
     eager_bytes: int = 0
+    #: the blocks it may checkpoint, and whether it does
+    blocks: tuple[BlockDecision, ...] = field(default_factory=tuple)
+    #: predicted step time / the exact step's (packing copies and re-running checkpointed blocks, measured on the
+    #: example batch); ``None`` when not measured
+    predicted_time: float | None = None
+    #: the planned step's time / the exact step's, measured on the example batch (interleaved); ``None`` when not
+    #: measured
+    measured_time: float | None = None
+    #: what re-running a checkpointed block holds while its backward runs (its own values, as they are or as
+    #: copies), for the block where that peaks; ``total_planned_bytes`` is the peak: what is kept up to that block
+    #: plus this, or everything kept, whichever is larger
+    recompute_bytes: int = 0
 
     @property
     def achieved(self) -> float:
@@ -116,19 +160,28 @@ class MemoryPlan:
     def recomputed(self) -> tuple[SavedValueDecision, ...]:
         return tuple(v for v in self.values if v.recomputed_from is not None)
 
+    @property
+    def checkpointed(self) -> tuple[BlockDecision, ...]:
+        return tuple(b for b in self.blocks if b.checkpointed)
+
     def to_dict(self) -> dict:
         return {"memory_budget": self.memory_budget, "total_exact_bytes": self.total_exact_bytes,
                 "total_planned_bytes": self.total_planned_bytes, "internal_bytes": self.internal_bytes,
                 "achieved": self.achieved, "budget_met": self.budget_met, "note": self.note,
                 "values": [v.to_dict() for v in self.values], "predicted_error": self.predicted_error,
-                "eager_bytes": self.eager_bytes}
+                "eager_bytes": self.eager_bytes, "blocks": [b.to_dict() for b in self.blocks],
+                "predicted_time": self.predicted_time, "measured_time": self.measured_time,
+                "recompute_bytes": self.recompute_bytes}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MemoryPlan":
         values = tuple(SavedValueDecision(**v) for v in data["values"])
         fields = {k: data[k] for k in ("memory_budget", "total_exact_bytes", "total_planned_bytes",
                                        "internal_bytes", "budget_met", "note")}
+        blocks = tuple(BlockDecision(**b) for b in data.get("blocks", ()))
         return cls(values=values, predicted_error=data.get("predicted_error"), eager_bytes=data.get("eager_bytes", 0),
+                   blocks=blocks, predicted_time=data.get("predicted_time"),
+                   measured_time=data.get("measured_time"), recompute_bytes=data.get("recompute_bytes", 0),
                    **fields)
 
 

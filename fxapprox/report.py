@@ -208,7 +208,9 @@ class Report:
         for v in memory.values:
             rebuilt = v.recomputed_from is not None
             style = None if plain else ("green" if v.compressed or rebuilt else "dim")
-            bits = "rebuilt" if rebuilt else f"{v.bits}{' (sign-exact)' if v.sign_exact else ''}"
+            bits = ("in block" if v.checkpointed_in is not None else "rebuilt" if rebuilt
+                    else f"{v.bits}{' (sign-exact)' if v.sign_exact else ''}")
+            style = style if v.checkpointed_in is None or plain else "green"
             table.add_row(v.node, "x".join(map(str, v.shape)) if v.shape else "-", v.dtype, ", ".join(v.savers),
                           f"{v.exact_bytes / 2**20:.2f}", bits, f"{v.planned_bytes / 2**20:.2f}", escape(v.reason),
                           style=style)
@@ -218,6 +220,23 @@ class Report:
         table.add_row("total", "", "", "", f"{memory.total_exact_bytes / 2**20:.2f}", "",
                       f"{memory.total_planned_bytes / 2**20:.2f}",
                       f"{memory.achieved:.3f} of exact ({'met' if memory.budget_met else 'NOT met'})")
+        return table
+
+    def _blocks_table(self, plain: bool) -> Table | None:
+        memory = self.plan.memory
+        if memory is None or not memory.blocks:
+            return None
+        measured = "" if memory.measured_time is None else f"; measured step {memory.measured_time:.2f}x exact's"
+        table = Table(title="blocks (checkpointed: keep their inputs, run again in backward)", title_justify="left",
+                      box=box.ASCII if plain else box.SIMPLE_HEAVY, caption_justify="left",
+                      caption=escape(f"{len(memory.checkpointed)} of {len(memory.blocks)} checkpointed{measured}"))
+        for name, justify in (("block", "left"), ("nodes", "right"), ("frees MiB", "right"),
+                              ("inputs MiB", "right"), ("re-run ms", "right"), ("why", "left")):
+            table.add_column(name, justify=justify, overflow="fold")
+        for b in memory.blocks:
+            table.add_row(b.name, str(len(b.nodes)), f"{b.interior_bytes / 2**20:.2f}", f"{b.input_bytes / 2**20:.2f}",
+                          f"{b.recompute_seconds * 1e3:.1f}", escape(b.reason),
+                          style=None if plain else ("green" if b.checkpointed else "dim"))
         return table
 
     def _guard_table(self, plain: bool) -> Table | None:
@@ -238,8 +257,8 @@ class Report:
     def _renderables(self, plain: bool, verbose: bool) -> list:
         parts = [self._summary(plain)]
         if verbose:
-            parts += [t for t in (self._table(plain), self._memory_table(plain), self._guard_table(plain))
-                      if t is not None]
+            parts += [t for t in (self._table(plain), self._memory_table(plain), self._blocks_table(plain),
+                                  self._guard_table(plain)) if t is not None]
         return parts
 
     def text(self, verbose: bool = False, width: int = WIDTH) -> str:
@@ -325,6 +344,9 @@ def _memory_text(memory) -> str:
     widths = Counter("rebuilt" if v.recomputed_from is not None else f"{v.bits}-bit"
                      for v in memory.values if v.compressed or v.recomputed_from is not None)
     how = ", ".join(f"{width} ×{count}" for width, count in widths.most_common())
+    if memory.checkpointed:
+        how = ", ".join(p for p in (how, f"{len(memory.checkpointed)} of {len(memory.blocks)} blocks checkpointed")
+                        if p)
     return (f"saved activations {memory.total_exact_bytes / 2**20:.1f} MiB → {memory.total_planned_bytes / 2**20:.1f}"
             f" MiB ({memory.achieved:.3f} of exact, {'met' if memory.budget_met else 'NOT met'})"
             + (f": {how}" if how else ""))

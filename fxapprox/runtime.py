@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import types
 import warnings
 
 import torch
@@ -26,6 +27,7 @@ from fxapprox.modules import APPROX_MODULE_TYPES, SamplingSpec
 from fxapprox.passes.measure_candidates import planned_step_speedup
 from fxapprox.passes.payoff import gain_model
 from fxapprox.passes.candidates import parameterised
+from fxapprox.passes.rewrite_checkpoint import checkpointed_forward
 from fxapprox.passes.replan import calibrated_error, calibration, predicted_families, replan
 from fxapprox.plan import Plan
 from fxapprox.ranks import mean_over_ranks, plan_of_rank_zero
@@ -129,10 +131,34 @@ class ApproxRuntime:
 
     def _compressed_forward(self, args, kwargs):
         state = self._fxapprox_state
+        forward = self._checkpointed_forward()
         with compressing_saved_tensors(state.saving, self) as compressor:
-            output = super().__call__(*args, **kwargs)
+            if forward is None:
+                output = super().__call__(*args, **kwargs)
+            else:
+                # The module's own call (its hooks included) around the checkpointed copy of the graph: an
+                # instance attribute shadows the generated ``forward`` for this call only.
+                self.__dict__["forward"] = types.MethodType(forward, self)
+                try:
+                    output = super().__call__(*args, **kwargs)
+                finally:
+                    del self.__dict__["forward"]
         state.saved_stats = compressor.stats()
         return output
+
+    def _checkpointed_forward(self):
+        """The training forward of a memory plan that checkpoints blocks (``fxapprox.passes.rewrite_checkpoint``),
+        built from the graph as it stands and kept until the graph changes; ``None`` when no block is
+        checkpointed."""
+        state = self._fxapprox_state
+        memory = state.plan.memory if state.plan is not None else None
+        if memory is None or not memory.checkpointed or not isinstance(self, torch.fx.GraphModule):
+            return None
+        source = (self.code, memory)   # the graph and the plan it was built from (a rank may adopt rank 0's)
+        cached = state.checkpointed
+        if cached is None or cached[0][0] is not source[0] or cached[0][1] is not source[1]:
+            state.checkpointed = (source, checkpointed_forward(self, memory.checkpointed, state.saving))
+        return state.checkpointed[1]
 
     # -- the guard ------------------------------------------------------------------------------
     def _check_every(self) -> int | None:

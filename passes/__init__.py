@@ -22,14 +22,17 @@ With a ``memory_budget`` (compressed saved activations), after the rewrite (``fx
 
 6. ``compact_pooling`` (6a) — max pools save 8-bit window offsets; ``attention_recompute`` (6b) — attention
    rebuilds its softmax from its saved inputs; ``saved_bytes`` runs again; ``measure_saved`` (6c) — each saved
-   value's gradient cost when quantised; ``memory_policy`` (6d) — bits per saved graph value (``plan.memory``;
-   ``saved_values`` is its model of the values); ``rewrite_saved`` (6e) — a ``compress_saved`` marker after
-   each planned value
+   value's gradient cost when quantised; on a traced model ``blocks`` — the blocks that may be checkpointed —
+   and ``measure_blocks`` — what each option costs in step time; ``memory_policy`` (6d) — which blocks to
+   checkpoint and bits per saved graph value, the fastest plan that fits (``plan.memory``; ``saved_values`` is its
+   model of the values); ``rewrite_saved`` (6e) — a ``compress_saved`` marker after each planned value;
+   ``rewrite_checkpoint`` — the training forward's copy of the graph with each checkpointed block one call
 
 During training, ``replan`` makes the compute plan again from the guard's measurements (under ``budget="auto"``
 past ``max_grad_error`` or when the plan stops paying; under a numeric budget past ``divergence_error``).
 """
 
+from fxapprox.passes.blocks import find_blocks
 from fxapprox.passes.budget_policy import plan_budget
 from fxapprox.passes.candidates import enumerate_candidates
 from fxapprox.passes.channels import annotate_channels
@@ -42,6 +45,7 @@ from fxapprox.passes.measure_saved import measure_saved_values
 from fxapprox.passes.memory_policy import plan_memory
 from fxapprox.passes.rank import rank_layers
 from fxapprox.passes.rewrite import rewrite_sampled_ops
+from fxapprox.passes.rewrite_checkpoint import checkpointed_graph
 from fxapprox.passes.rewrite_saved import rewrite_saved_activations
 from fxapprox.passes.saved_bytes import measure_saved_bytes
 from fxapprox.passes.shape_prop import propagate_shapes
@@ -49,8 +53,8 @@ from fxapprox.passes.trace import ApproxTracer, trace
 from fxapprox.passes.training_flags import follow_training_mode
 
 __all__ = [
-    "ApproxTracer", "annotate_channels", "compact_max_pools", "count_flops", "enumerate_candidates",
-    "follow_training_mode", "measure_candidates", "measure_saved_bytes", "measure_saved_values", "plan_budget",
+    "ApproxTracer", "annotate_channels", "checkpointed_graph", "compact_max_pools", "count_flops",
+    "enumerate_candidates", "find_blocks", "follow_training_mode", "measure_candidates", "measure_saved_bytes", "measure_saved_values", "plan_budget",
     "plan_input_saving",
     "plan_memory", "propagate_shapes", "rank_layers", "rewrite_sampled_ops", "rewrite_saved_activations",
     "to_networkx", "trace",
