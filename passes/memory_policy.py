@@ -237,6 +237,7 @@ class _Widths:
     # each checkpointed block: (its last node's position, bytes its re-run holds while its backward runs, the block)
     recomputing: list[tuple] = dataclasses.field(default_factory=list)
     positions: dict[str, int] = dataclasses.field(default_factory=dict)   # value → its root's position
+    root_of: dict[str, str] = dataclasses.field(default_factory=dict)     # node (any alias) → its value
     recompute_bits: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # block → {value: bits}
     recompute_errors: float = 0.0        # predicted squared gradient error of compressed re-runs
 
@@ -266,9 +267,8 @@ class _Widths:
 
     def copies_inputs(self, block: Block) -> bool:
         """Whether the plan keeps one of ``block``'s inputs as a copy or rebuilds it (a reentrant checkpoint)."""
-        roots = {m.name: name for name, value in self.values.items() for m in value.members}
-        return any(roots.get(i) in self.rebuilt or (roots.get(i) in self.bits and self.compressed(roots[i]))
-                   for i in block.inputs)
+        roots = [self.root_of.get(i) for i in block.inputs]
+        return any(r in self.rebuilt or (r in self.bits and self.compressed(r)) for r in roots if r is not None)
 
     def planned_total(self) -> int:
         """The most the step holds: everything kept, or a checkpointed block's re-run on top of what precedes it."""
@@ -334,6 +334,7 @@ def _initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed
                      held=sum(node_bytes(by_name[i]) for i in held))
     order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
     widths.positions = {name: order[value.root.name] for name, value in values.items()}
+    widths.root_of = root_of
     block_nodes = {n for block in checkpointed for n in block.nodes}
     for name in list(widths.candidates):
         value = values[name]
