@@ -6,7 +6,7 @@ are reported apart):
 * ``calibrate`` — fixed plans (every eligible layer pinned to one mode / method / keep-ratio, no tolerance) on
   the tuning workloads. For each, the **steps multiplier** ``m`` (``s`` ÷ the steps exact training needs to reach
   the loss the plan reached at step ``s``; the median over the second half of the run) against the error the
-  guard measured for the plan's family (``passes/payoff.py``): ``cost = (m − 1) / e²``. Prints the fits;
+  guard measured for the plan's family (``passes/policy/payoff.py``): ``cost = (m − 1) / e²``. Prints the fits;
   ``ApproxConfig.backward_error_cost`` and ``forward_error_cost`` are set from them.
 * ``compare`` — exact / the default ``approximate(model)`` (``budget="auto"``: the pay-off model and the guard) /
   ``approximate(model, 0.5)`` (the budget spent) with the guard on and off (labels: ``benchmarks/_training.py``),

@@ -221,7 +221,7 @@ def _configurations(name: str, build, args, kwargs, quick: bool) -> dict:
 
 
 def child_frontier(name: str, repetitions: int, quick: bool) -> dict:
-    from fxapprox.saved_activations import count_saved_bytes
+    from fxapprox.runtime.saved_activations import count_saved_bytes
 
     factory, size, _, _ = MODELS[name]
     build, make_batch = factory()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import fxapprox  # noqa: E402
-from fxapprox.saved_activations import count_saved_bytes  # noqa: E402
+from fxapprox.runtime.saved_activations import count_saved_bytes  # noqa: E402
 
 from _common import interleaved_samples, report_tables  # noqa: E402
 

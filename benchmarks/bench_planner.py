@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import fxapprox  # noqa: E402
 from _common import machine_line, markdown_table, print_table, write_section  # noqa: E402
 from fxapprox import ApproxConfig  # noqa: E402
-from fxapprox.records import BIT_ERRORS_KEY  # noqa: E402
+from fxapprox.pipeline.records import BIT_ERRORS_KEY  # noqa: E402
 
 METHODS = ("topk", "crs", "bernoulli", "wta_crs", "auto")
 
@@ -253,7 +253,7 @@ def calibration(steps: int) -> str:
 
 
 def bits() -> str:
-    import fxapprox.passes.measure_saved as measure_saved
+    import fxapprox.passes.memory.measure_saved as measure_saved
     from _text import encode, load_corpus, windows
     from char_transformer import CharTransformer
 

@@ -38,8 +38,8 @@ import torchvision
 from torch import nn
 
 import fxapprox
-from fxapprox.modules import APPROX_MODULE_TYPES
 from fxapprox.ops.sampling import select_pairs
+from fxapprox.runtime.modules import APPROX_MODULE_TYPES
 
 from _common import interleaved_samples, machine_line, markdown_table, paired_ratio, print_table, write_section
 

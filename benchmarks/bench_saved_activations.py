@@ -40,7 +40,7 @@ from torch import nn
 
 import fxapprox
 from fxapprox import ApproxConfig
-from fxapprox.saved_activations import count_saved_bytes
+from fxapprox.runtime.saved_activations import count_saved_bytes
 
 from _common import interleaved_medians, proc_status, report_tables, step_peak_growth
 

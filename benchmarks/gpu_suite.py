@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _common import interleaved_samples, markdown_table, medians, paired_ratio, print_table, write_section  # noqa: E402
 
 import fxapprox  # noqa: E402
-from fxapprox.modules import ApproxLSTM, SamplingSpec  # noqa: E402
+from fxapprox.runtime.modules import ApproxLSTM, SamplingSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPENT = fxapprox.ApproxConfig(check_every=None)

@@ -37,7 +37,7 @@ from _common import BENCHMARKS_MD, machine_line, markdown_table  # noqa: E402
 from tests.zoo_checks import budget_reached  # noqa: E402
 
 import fxapprox  # noqa: E402
-from fxapprox._projection import projection_loss  # noqa: E402
+from fxapprox.pipeline._projection import projection_loss  # noqa: E402
 
 BUDGET = 0.5
 BATCH, SEQ = 2, 16

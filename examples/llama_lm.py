@@ -138,11 +138,11 @@ def train(label: str, base, data, validation, args, seed: int, steps: int, lora:
         optimizer.step()
         schedule.step()
         clock += time.perf_counter() - start
-        if step == 1 and isinstance(model, fxapprox.runtime.ApproxRuntime):   # the plan made on the first batch
+        if step == 1 and isinstance(model, fxapprox.runtime.model.ApproxRuntime):   # the plan made on the first batch
             result.update(first_achieved=model.plan.achieved, first_gain=model.plan.predicted_gain)
         if step % args.eval_every == 0 or step == steps:
             result["curve"].append((clock, step, evaluate(model, validation)))
-    if isinstance(model, fxapprox.runtime.ApproxRuntime):
+    if isinstance(model, fxapprox.runtime.model.ApproxRuntime):
         plan = model.plan
         result.update(achieved=plan.achieved, predicted_gain=plan.predicted_gain, note=plan.note,
                       replans=sum(1 for r in model.history if r.action == "replanned"))

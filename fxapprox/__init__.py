@@ -12,15 +12,15 @@ Example::
 from fxapprox import distributed
 from fxapprox.api import ApproxGraphModule, analyse, approximate
 from fxapprox.bench import BenchResult, LayerFidelity, bench
-from fxapprox.calibration import recalibrate_bn
 from fxapprox.config import ApproxConfig, LayerOverride
 from fxapprox.errors import AnalysisError, FxApproxError, PlanNotReadyError, TraceError
 from fxapprox.export import export
-from fxapprox.host_sync import count_host_syncs
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.report import Report
-from fxapprox.saved_activations import SavedActivationStats
-from fxapprox.saved_tensors import count_saved_bytes
+from fxapprox.runtime.calibration import recalibrate_bn
+from fxapprox.runtime.host_sync import count_host_syncs
+from fxapprox.runtime.saved_activations import SavedActivationStats
+from fxapprox.runtime.saved_tensors import count_saved_bytes
 from fxapprox.schedule import SparseThenDense
 
 __version__ = "0.1.0"

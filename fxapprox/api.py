@@ -2,7 +2,7 @@
 
 Each stage is a pass in ``fxapprox.passes``; this module only strings them
 together and wraps the result in :class:`ApproxGraphModule` (a traced model) or, where torch.fx cannot trace the
-model's own code, in its own class with regions (:mod:`fxapprox.eager`).
+model's own code, in its own class with regions (:mod:`fxapprox.pipeline.eager`).
 """
 
 from __future__ import annotations
@@ -15,27 +15,27 @@ import torch.fx
 from torch import nn
 
 from fxapprox._validate import check_choice, check_fraction
-from fxapprox.analysis import analyse, measurement_sandbox
-from fxapprox.compute_plan import make_compute_plan
 from fxapprox.config import ApproxConfig
-from fxapprox.eager import approximate_eager
 from fxapprox.errors import TraceError
-from fxapprox.graph_pickle import reduce_graph_module
-from fxapprox.memory_planning import choose_memory_plan, memory_planned, plan_saved_activations
 from fxapprox.ops.sampling import METHODS
-from fxapprox.passes.budget_policy import AUTO_BUDGET
-from fxapprox.passes.candidates import enumerate_candidates
-from fxapprox.passes.measure_candidates import measure_candidates
-from fxapprox.passes.rank import rank_layers
+from fxapprox.passes.analysis.rank import rank_layers
+from fxapprox.passes.capture.regions import hidden_layers, hidden_layers_root, untraceable_root
+from fxapprox.passes.capture.trace import UNTRACED_KEY, trace_both_modes
+from fxapprox.passes.capture.training_flags import follow_training_mode
+from fxapprox.passes.measurement.candidates import enumerate_candidates
+from fxapprox.passes.measurement.measure_candidates import measure_candidates
+from fxapprox.passes.memory.rewrite_saved import remove_saved_markers, rewrite_saved_activations
+from fxapprox.passes.policy.budget_policy import AUTO_BUDGET
 from fxapprox.passes.rewrite import rewrite_sampled_ops
-from fxapprox.passes.rewrite_saved import remove_saved_markers, rewrite_saved_activations
-from fxapprox.passes.regions import hidden_layers, hidden_layers_root, untraceable_root
-from fxapprox.passes.trace import UNTRACED_KEY, trace_both_modes
-from fxapprox.passes.training_flags import follow_training_mode
+from fxapprox.pipeline.analysis import analyse, measurement_sandbox
+from fxapprox.pipeline.compute_plan import make_compute_plan
+from fxapprox.pipeline.eager import approximate_eager
+from fxapprox.pipeline.memory_planning import choose_memory_plan, memory_planned, plan_saved_activations
 from fxapprox.plan import Plan
 from fxapprox.report import Report
-from fxapprox.model_state import ModelState
-from fxapprox.runtime import ApproxRuntime, _shapes
+from fxapprox.runtime.graph_pickle import reduce_graph_module
+from fxapprox.runtime.model import ApproxRuntime, _shapes
+from fxapprox.runtime.model_state import ModelState
 
 
 class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
@@ -131,7 +131,7 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         return result
 
     def __reduce__(self):
-        # the graph as records (fxapprox/graph_pickle.py): GraphModule's own pickling re-traces its code
+        # the graph as records (fxapprox/runtime/graph_pickle.py): GraphModule's own pickling re-traces its code
         body = self.__dict__.copy()
         body["_fxapprox_state"] = self._portable_state()
         return reduce_graph_module(self, body)
@@ -169,7 +169,7 @@ def approximate(model: nn.Module, budget: float | str = "auto", *, example_input
     whole. Where the model's own code does not trace (Hugging Face models on
     transformers 5), or a submodule holding approximable layers does not (a block
     with data-dependent control flow), it is a copy of the model of its own class,
-    captured region by region (:mod:`fxapprox.eager`: traced children, approximable
+    captured region by region (:mod:`fxapprox.pipeline.eager`: traced children, approximable
     layers swapped in place, the rest run eagerly and exactly), with the same
     ``.plan``, ``.report``, ``.history`` and ``.set_approximate``;
     ``ApproxConfig(strict_trace=True)`` raises :class:`fxapprox.TraceError`
@@ -201,7 +201,7 @@ def approximate(model: nn.Module, budget: float | str = "auto", *, example_input
     except TraceError as error:
         if config.strict_trace or error.module_path != "<root>":
             raise
-        # The model's own code does not trace: it runs eagerly and its children are captured (fxapprox.eager).
+        # The model's own code does not trace: it runs eagerly and its children are captured (fxapprox.pipeline.eager).
         approx = approximate_eager(model, untraceable_root(model, error), budget=budget, memory_budget=memory_budget,
                                    method=method, config=config, model_name=model_name)
         if example_inputs is not None:

@@ -33,8 +33,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxapprox._projection import first_tensor, projection_direction, projection_loss
 from fxapprox._validate import check_fraction, check_int
+from fxapprox.api import approximate
+from fxapprox.pipeline._projection import first_tensor, projection_direction, projection_loss
 
 __all__ = ["BenchResult", "LayerFidelity", "bench"]
 
@@ -113,7 +114,7 @@ class BenchResult:
 
 
 def _random_projection_loss(model: nn.Module, inputs: tuple) -> Callable:
-    """The analyses' projection loss (``fxapprox._projection``) with its direction fixed for ``model``."""
+    """The analyses' projection loss (``fxapprox.pipeline._projection``) with its direction fixed for ``model``."""
     with torch.no_grad():
         direction = projection_direction(first_tensor(copy.deepcopy(model)(*inputs)))
 
@@ -130,7 +131,7 @@ def _train_step(module: nn.Module, inputs: tuple, loss_fn: Callable) -> Callable
 
 
 def _saved_mib(module: nn.Module, inputs: tuple, loss_fn: Callable, approx=None) -> float:
-    from fxapprox.saved_activations import count_saved_bytes
+    from fxapprox.runtime.saved_activations import count_saved_bytes
 
     with count_saved_bytes(module) as counter:
         loss = loss_fn(module(*inputs))
@@ -227,8 +228,6 @@ def bench(model: nn.Module, example_inputs, *, budget: float | str = "auto", mem
         >>> result.speedup, result.memory_ratio, result.layers[0].grad_cosine
         >>> result.show()
     """
-    import fxapprox
-
     if budget != "auto":
         check_fraction("budget", budget)
     if memory_budget is not None:
@@ -244,7 +243,7 @@ def bench(model: nn.Module, example_inputs, *, budget: float | str = "auto", mem
     loss_fn = loss_fn or _random_projection_loss(model, inputs)
 
     exact = copy.deepcopy(model).train()
-    approx = fxapprox.approximate(copy.deepcopy(model).train(), budget, example_inputs=inputs,
+    approx = approximate(copy.deepcopy(model).train(), budget, example_inputs=inputs,
                                   memory_budget=memory_budget, method=method, config=config)
     exact_step, approx_step = _train_step(exact, inputs, loss_fn), _train_step(approx, inputs, loss_fn)
     times: dict[str, list[float]] = {"exact": [], "approx": []}

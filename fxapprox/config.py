@@ -1,7 +1,7 @@
 """Configuration: small frozen dataclasses, validated on construction.
 
 The common case needs no config at all (``approximate(model, budget=0.5)``);
-:class:`ApproxConfig` is for finer control, :class:`~fxapprox.overrides.LayerOverride` (its ``overrides``) pins
+:class:`ApproxConfig` is for finer control, :class:`~fxapprox.pipeline.overrides.LayerOverride` (its ``overrides``) pins
 the decision for layers matched by name, regular expression or module type.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from fxapprox._validate import check_choice, check_fraction, check_int, check_positive, check_share
-from fxapprox.modules import MODES
-from fxapprox.overrides import LayerOverride
 from fxapprox.ops.lstm import DEFAULT_BLOCK_STEPS
 from fxapprox.ops.quantize import ROUNDINGS
+from fxapprox.pipeline.overrides import LayerOverride
+from fxapprox.runtime.modules import MODES
 from fxapprox.schedule import SCHEDULES
 
 #: how the plan is made: least measured error for the FLOP budget ("measured"), the FLOP-ranked walk at one
@@ -116,7 +116,7 @@ class ApproxConfig:
     - ``backward_error_cost`` / ``forward_error_cost``: predicted extra steps per squared
       error of each family — one step's gradient error for layers sampled in their
       backward (and compressed activations), the model output's relative error for
-      layers sampled in their forward (``fxapprox.passes.payoff``), for a step of a run that
+      layers sampled in their forward (``fxapprox.passes.policy.payoff``), for a step of a run that
       samples every step (``schedule="constant"``). Fitted on the end-of-schedule protocol
       (``benchmarks/time_to_quality.py``: the budget spent on one family every step, final
       loss against exact schedules of several lengths).
@@ -133,7 +133,7 @@ class ApproxConfig:
     - ``plan_check``: before training, run the measured policy's plan on the example batch against
       exact training (forward and backward, as the guard does) and, where a family of
       approximation shows more error than predicted, make the plan again with its candidates'
-      errors scaled by the measured factor (``passes/check_plan.py``; a stack of backward-sampled
+      errors scaled by the measured factor (``passes/guard/check_plan.py``; a stack of backward-sampled
       layers compounds its noise far past the layers' isolated errors).
     - ``divergence_error``: the calibrated model-gradient error past which the guard
       re-plans a numeric budget (the approximate gradient is then farther from the exact

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxapprox.modules import ApproxConv2d, ApproxLinear, ApproxOp
 from fxapprox.ops.conv import channel_squared_norms, conv2d_with_channels
 from fxapprox.ops.linear import _nonempty, linear_with_pairs, squared_norms
 from fxapprox.ops.sampling import select_pairs
+from fxapprox.runtime.modules import ApproxConv2d, ApproxLinear, ApproxOp
 
 __all__ = ["RankSyncedSelection", "SampledAllReduceState", "plan_fingerprint", "register_sampled_allreduce"]
 
@@ -247,7 +247,7 @@ def register_sampled_allreduce(ddp: nn.parallel.DistributedDataParallel, *, proc
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     approx = ddp.module
-    from fxapprox.runtime import ApproxRuntime
+    from fxapprox.runtime.model import ApproxRuntime
 
     if isinstance(approx, ApproxRuntime) and not isinstance(approx, ApproxGraphModule):
         raise TypeError(f"register_sampled_allreduce needs a model torch.fx traces whole; {type(approx).__name__} was "

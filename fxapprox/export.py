@@ -18,7 +18,7 @@ import networkx as nx
 import torch
 
 from fxapprox.api import ApproxGraphModule
-from fxapprox.passes.graph_view import to_networkx
+from fxapprox.passes.analysis.graph_view import to_networkx
 
 
 def _jsonable(value):

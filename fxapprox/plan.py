@@ -1,6 +1,6 @@
 """The plan: which node gets which approximation, and why the others stay exact.
 
-Made by the budget policy (``fxapprox.passes.budget_policy``) before any
+Made by the budget policy (``fxapprox.passes.policy.budget_policy``) before any
 rewrite, applied by the rewrite pass, shown by the report, exported as JSON.
 Everything here is plain data: ``Plan.from_dict(plan.to_dict()) == plan``.
 """
@@ -41,7 +41,7 @@ class LayerDecision:
     #: every candidate the measured policy considered (method, mode, keep_ratio, flops, errors, speedup, …)
     candidates: list = field(default_factory=list)
     #: forward sampling: what the layer keeps of its input for backward, ``"reference"`` (the input itself) or
-    #: ``"gathered"`` (a copy of the kept columns), and why (``fxapprox.passes.input_saving``)
+    #: ``"gathered"`` (a copy of the kept columns), and why (``fxapprox.passes.policy.input_saving``)
     save_input: str | None = None
     save_input_reason: str | None = None
     #: the relative error of the layer's own weight gradient in one draw, measured in isolation at planning (what
@@ -91,7 +91,7 @@ class SavedValueDecision:
 
 @dataclass(frozen=True)
 class BlockDecision:
-    """One block the memory plan may checkpoint (``fxapprox.passes.blocks``): run again in backward instead of
+    """One block the memory plan may checkpoint (``fxapprox.passes.memory.blocks``): run again in backward instead of
     keeping what it saves. Node names in graph order."""
 
     name: str
@@ -227,7 +227,7 @@ class Plan:
     #: the predicted model-gradient error of one training step, the noise of one draw counted whole (what the
     #: guard, ``ApproxConfig(check_every=N)``, measures); ``predicted_error`` averages the noise over steps
     predicted_step_error: float | None = None
-    #: the measured policy's pay-off model (``fxapprox.passes.payoff``): predicted exact / approximate step time,
+    #: the measured policy's pay-off model (``fxapprox.passes.policy.payoff``): predicted exact / approximate step time,
     #: and how much sooner than exact training the plan reaches a given loss (speed-up / predicted steps)
     predicted_speedup: float | None = None
     predicted_gain: float | None = None
@@ -248,7 +248,7 @@ class Plan:
     #: interleaved rounds (measured policy with timing on); ``predicted_speedup`` adds up the layers' isolated
     #: timings instead
     measured_speedup: float | None = None
-    #: the plan run on the example batch against exact training (``passes/check_plan.py``): measured and predicted
+    #: the plan run on the example batch against exact training (``passes/guard/check_plan.py``): measured and predicted
     #: one-step errors, the measured ÷ predicted factors, the factors the plan was made with and its re-plans
     check: dict | None = None
     #: the schedule the plan runs under over training (``fxapprox.schedule.ScheduleRecord.to_dict``): its kind,

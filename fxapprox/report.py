@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fxapprox.passes.regions import LIBRARY_LEAF, short_reason
+from fxapprox.passes.capture.regions import LIBRARY_LEAF, short_reason
 from fxapprox.plan import Plan, exact_reason_groups
 
 #: the width the plain-text report is laid out for (a terminal's, when the report is shown in one)
@@ -101,7 +101,7 @@ class Report:
         self.plan = plan
         self.model_name = model_name
         self.input_shapes = input_shapes
-        #: the guard's checks (:class:`~fxapprox.guard.TrainingHistory`, shared with the module: it grows as
+        #: the guard's checks (:class:`~fxapprox.runtime.guard.TrainingHistory`, shared with the module: it grows as
         #: training runs); the report shows the last check's measured errors beside the predicted ones
         self.history = history
 

@@ -1,15 +1,15 @@
 """Pass 5 — rewrite: replace the planned nodes with sampled ops.
 
-Each planned node is handed to its registered :class:`fxapprox.op_kinds.OpKind`:
+Each planned node is handed to its registered :class:`fxapprox.op_kinds.registry.OpKind`:
 
 * ``call_module`` ``nn.Linear`` / ``nn.Conv2d`` / ``nn.LSTM`` → the submodule is swapped for
-  :class:`~fxapprox.modules.ApproxLinear` / :class:`~fxapprox.modules.ApproxConv2d` /
-  :class:`~fxapprox.modules.ApproxLSTM` (sparse backward) holding the *same* parameters
+  :class:`~fxapprox.runtime.modules.ApproxLinear` / :class:`~fxapprox.runtime.modules.ApproxConv2d` /
+  :class:`~fxapprox.runtime.modules.ApproxLSTM` (sparse backward) holding the *same* parameters
   under the same path (``state_dict`` keys stay).
 * ``F.linear(x, weight, bias)``, ``F.conv2d(x, weight, ...)`` (groups=1) and
   ``x @ W`` / ``W @ x`` with a parameter operand → a ``call_module`` node calling
-  a parameter-free :class:`~fxapprox.modules.ApproxFunctionalLinear` /
-  :class:`~fxapprox.modules.ApproxFunctionalConv2d` / :class:`~fxapprox.modules.ApproxMatmul`
+  a parameter-free :class:`~fxapprox.runtime.modules.ApproxFunctionalLinear` /
+  :class:`~fxapprox.runtime.modules.ApproxFunctionalConv2d` / :class:`~fxapprox.runtime.modules.ApproxMatmul`
   registered as ``fxapprox_<node>``.
 
 Only nodes the plan marks ``approximate`` are touched.
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxapprox.modules import SamplingSpec
-from fxapprox.op_kinds import OP_KINDS
+from fxapprox.op_kinds.registry import OP_KINDS
 from fxapprox.ops.lstm import LSTMBackward
 from fxapprox.plan import Plan
+from fxapprox.runtime.modules import SamplingSpec
 
 
 def rewrite_sampled_ops(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:

@@ -6,7 +6,7 @@ import torch
 
 @pytest.fixture(autouse=True, scope="session")
 def _timing_cache(tmp_path_factory):
-    """Plans' timings go to a cache of this run (``fxapprox.timing_cache``), not the user's."""
+    """Plans' timings go to a cache of this run (``fxapprox.pipeline.timing_cache``), not the user's."""
     previous = os.environ.get("FXAPPROX_CACHE_DIR")
     os.environ["FXAPPROX_CACHE_DIR"] = str(tmp_path_factory.mktemp("timing-cache"))
     yield

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxapprox
-from fxapprox.modules import ApproxConv2d, ApproxLinear
+from fxapprox.runtime.modules import ApproxConv2d, ApproxLinear
 
 #: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
 FLOPS = fxapprox.ApproxConfig(policy="flops")

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
-from fxapprox.modules import ApproxLSTM, ApproxMatmul, SamplingSpec
 from fxapprox.ops.conv import backward_sampled_conv2d, sampled_conv2d
 from fxapprox.ops.linear import backward_sampled_linear, sampled_linear
-from fxapprox.saved_activations import count_saved_bytes
+from fxapprox.runtime.modules import ApproxLSTM, ApproxMatmul, SamplingSpec
+from fxapprox.runtime.saved_activations import count_saved_bytes
 
 CPU_BF16 = ("cpu", torch.bfloat16)
 DEVICES = [pytest.param(*CPU_BF16, id="cpu-bf16"),

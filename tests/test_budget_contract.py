@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxapprox
-from fxapprox._projection import projection_loss
-from fxapprox.timing_cache import TimingCache
+from fxapprox.pipeline._projection import projection_loss
+from fxapprox.pipeline.timing_cache import TimingCache
 
 BUDGET = 0.5
 SLACK = 0.05

@@ -13,10 +13,10 @@ import torchvision
 from torch import nn
 
 import fxapprox
-import fxapprox.memory_planning as memory_planning
+import fxapprox.pipeline.memory_planning as memory_planning
 from fxapprox import ApproxConfig
-from fxapprox.passes.blocks import find_blocks
-from fxapprox.passes.saved_values import saved_values
+from fxapprox.passes.memory.blocks import find_blocks
+from fxapprox.passes.memory.saved_values import saved_values
 from fxapprox.plan import Plan
 
 
@@ -186,7 +186,7 @@ def test_model_around_the_blocks_is_unchanged(cheap_recompute, tokens):
 
 
 def test_checkpoint_runs_only_in_a_compressing_training_forward(cheap_recompute, tokens, monkeypatch):
-    import fxapprox.checkpointing as checkpointing
+    import fxapprox.runtime.checkpointing as checkpointing
 
     calls = []
     real = checkpointing.checkpoint

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
-from fxapprox.modules import ApproxConv2d, ApproxLinear, ApproxLSTM, ApproxMatmul, SamplingSpec
+from fxapprox.runtime.modules import ApproxConv2d, ApproxLinear, ApproxLSTM, ApproxMatmul, SamplingSpec
 
 
 @pytest.fixture(autouse=True)

@@ -140,7 +140,7 @@ def _fsdp(rank: int) -> dict:
     fully_shard(approx, mesh=init_device_mesh("cpu", (WORLD,)))
     outcome = {"plan_kept": approx.plan.to_dict() == plan,
                "approximating": sum(m.approximating for m in approx.modules()
-                                    if isinstance(m, fxapprox.modules.APPROX_MODULE_TYPES))}
+                                    if isinstance(m, fxapprox.runtime.modules.APPROX_MODULE_TYPES))}
     optimizer = torch.optim.SGD(approx.parameters(), lr=0.1, momentum=0.9)
     batches = _batches(rank, (32, 64), teacher)
     losses = []

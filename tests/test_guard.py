@@ -10,7 +10,7 @@ from torch import nn
 
 import fxapprox
 from fxapprox import ApproxConfig, LayerOverride
-from fxapprox.guard import TrainingHistory, gradient_errors, owner_groups
+from fxapprox.runtime.guard import TrainingHistory, gradient_errors, owner_groups
 
 
 def _mlp(dropout: float = 0.0) -> nn.Module:

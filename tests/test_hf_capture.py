@@ -1,4 +1,4 @@
-"""Hugging Face models on transformers 5, as users have them: hierarchical capture (``fxapprox.eager``).
+"""Hugging Face models on transformers 5, as users have them: hierarchical capture (``fxapprox.pipeline.eager``).
 
 transformers 5 models do not trace whole (``**kwargs`` signatures, masks built with ``vmap``); they run their own
 code eagerly with their traceable children as regions and their projections swapped in place. Tiny configs,
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fxapprox
-from fxapprox._projection import projection_loss
+from fxapprox.pipeline._projection import projection_loss
 from fxapprox.plan import Plan
 
 transformers = pytest.importorskip("transformers")
@@ -100,7 +100,7 @@ def test_gpt2_conv1d_projections_are_sampled_and_the_tied_head_stays_tied():
 def test_sampled_conv1d_equals_conv1d_at_keep_ratio_one(mode, method):
     from transformers.pytorch_utils import Conv1D
 
-    from fxapprox.modules import ApproxConv1D, SamplingSpec, _linear
+    from fxapprox.runtime.modules import ApproxConv1D, SamplingSpec, _linear
 
     torch.manual_seed(0)
     layer = Conv1D(24, 16)

@@ -10,7 +10,7 @@ from torch import nn
 import fxapprox
 import fxapprox.ops.sampling
 from fxapprox.config import AUTO_METHODS
-from fxapprox.modules import ApproxConv2d, ApproxLinear, ApproxLSTM, ApproxMatmul, SamplingSpec
+from fxapprox.runtime.modules import ApproxConv2d, ApproxLinear, ApproxLSTM, ApproxMatmul, SamplingSpec
 
 STATIC_METHODS = ("topk", "crs", "wta_crs")
 

@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 import fxapprox
-from fxapprox.modules import ApproxLSTM, SamplingSpec
 from fxapprox.ops import _cpu_gemm as cpu_gemm
 from fxapprox.ops import lstm as lstm_ops
 from fxapprox.ops.lstm import coarse_columns, fine_mask_, sparse_backward_lstm_layer
 from fxapprox.ops.sampling import rounded_count
+from fxapprox.runtime.modules import ApproxLSTM, SamplingSpec
 
 #: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
 FLOPS = fxapprox.ApproxConfig(policy="flops")

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import fxapprox
-from fxapprox.records import UPSTREAM_OUTSIDE_KEY
-from fxapprox.passes.error_model import propagation_weights
-from fxapprox.saved_activations import count_saved_bytes
+from fxapprox.passes.measurement.error_model import propagation_weights
+from fxapprox.pipeline.records import UPSTREAM_OUTSIDE_KEY
+from fxapprox.runtime.saved_activations import count_saved_bytes
 
 
 class EagerRoot(nn.Module):

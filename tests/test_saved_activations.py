@@ -11,9 +11,9 @@ from torch import nn
 
 import fxapprox
 from fxapprox import ApproxConfig
-from fxapprox.saved_activations import count_saved_bytes
-from fxapprox.saved_markers import compress_saved
-from fxapprox.records import saved_of
+from fxapprox.pipeline.records import saved_of
+from fxapprox.runtime.saved_activations import count_saved_bytes
+from fxapprox.runtime.saved_markers import compress_saved
 
 
 class SmallCNN(nn.Module):
@@ -365,7 +365,7 @@ def test_rebuilt_attention_normalises_away_a_shared_key_error():
 
 
 def test_recomputed_values_rerun_under_the_forward_s_autocast(monkeypatch):
-    import fxapprox.saved_activations as saved_activations
+    import fxapprox.runtime.saved_activations as saved_activations
 
     torch.manual_seed(0)
     x = torch.randn(8, 16, 32)
@@ -393,7 +393,7 @@ def test_recomputed_values_rerun_under_the_forward_s_autocast(monkeypatch):
 
 
 def test_replan_memory_re_marks_the_graph_on_current_weights():
-    from fxapprox.saved_markers import recompute_saved
+    from fxapprox.runtime.saved_markers import recompute_saved
 
     torch.manual_seed(0)
     x = torch.randn(16, 32, 64)

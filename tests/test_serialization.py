@@ -56,7 +56,8 @@ def test_copies_keep_the_plan_and_train_identically(how, plan):
     x = torch.randn(64, 8, 8, 8)
     approx = fxapprox.approximate(model, example_inputs=(x,), config=fxapprox.ApproxConfig(policy="flops"),
                                   **PLANS[plan])
-    assert any(isinstance(m, fxapprox.modules.APPROX_MODULE_TYPES) for m in approx.modules()) or plan == "memory"
+    approx_modules = fxapprox.runtime.modules.APPROX_MODULE_TYPES
+    assert any(isinstance(m, approx_modules) for m in approx.modules()) or plan == "memory"
     loss, grads = _step(approx, x)
     stats = approx.saved_activation_stats
     if "memory" in plan:
@@ -99,7 +100,7 @@ def test_a_model_saved_before_the_typed_state_is_refused_with_what_to_do():
 
 
 def test_a_copy_and_its_original_keep_their_own_records():
-    from fxapprox.records import decision_of, norms_of, write_norms
+    from fxapprox.pipeline.records import decision_of, norms_of, write_norms
 
     approx = fxapprox.approximate(_Net(), 0.5, example_inputs=(torch.randn(4, 8, 6, 6),),
                                   config=fxapprox.ApproxConfig(min_speedup=None, check_every=None))

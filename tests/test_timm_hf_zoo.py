@@ -3,9 +3,9 @@
 Each model is built with random weights, approximated at budget 0.5 (FLOP-ranked policy), compared in
 ``eval()`` with the original (atol 1e-4), and trained one step (every gradient finite). timm models are traced
 by fxapprox itself (with timm's own no-trace registries; untraceable blocks stay exact leaves); Hugging Face
-models on transformers 5 are approximated as they are (hierarchical capture, ``fxapprox.eager``), on transformers
-4 traced with the library's fx tracer (``transformers.utils.fx.symbolic_trace``), the GraphModule then handed to
-``approximate``.
+models on transformers 5 are approximated as they are (hierarchical capture, ``fxapprox.pipeline.eager``), on
+transformers 4 traced with the library's fx tracer (``transformers.utils.fx.symbolic_trace``), the GraphModule then
+handed to ``approximate``.
 
 One model per family runs by default when timm / transformers are installed (``pip install fxapprox[zoo]``);
 the rest are marked ``slow``. ``benchmarks/zoo_coverage_timm_hf.py`` runs all of them and writes the table.

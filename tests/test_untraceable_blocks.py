@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
-from fxapprox.passes.trace import trace
+from fxapprox.passes.capture.trace import trace
 from tests.test_budget_contract import BUDGET, SLACK, executed_fraction
 
 D, HEADS, VOCAB, T = 64, 4, 64, 32
@@ -135,7 +135,7 @@ def test_untraceable_blocks_are_captured_and_the_budget_is_spent(block):
 
 def test_the_lm_head_is_the_output_layer_and_pays_for_a_forward_error():
     """In the region-captured model only the head is an output layer: its forward error is not averaged away."""
-    from fxapprox.passes.error_model import output_layers
+    from fxapprox.passes.measurement.error_model import output_layers
 
     model, ids = _model_and_batch(UnpackingBlock)
     approx = fxapprox.approximate(model, BUDGET, example_inputs=(ids,))
@@ -186,7 +186,7 @@ def test_a_library_no_trace_block_holding_layers_is_captured():
                                       config=fxapprox.ApproxConfig(policy="flops"))
     finally:
         timm_fx._leaf_modules.discard(RegisteredBlock)
-    from fxapprox.passes.regions import LIBRARY_LEAF
+    from fxapprox.passes.capture.regions import LIBRARY_LEAF
 
     untraced = {u["module"]: u["reason"] for u in approx.plan.untraced}
     assert set(untraced) == {f"blocks.{i}" for i in range(4)} and set(untraced.values()) == {LIBRARY_LEAF}

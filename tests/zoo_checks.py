@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fxapprox.passes.regions import holds_layers
+from fxapprox.passes.capture.regions import holds_layers
 from fxapprox.plan import Plan, exact_reason_groups
 
 __all__ = ["budget_reached", "untraceable_modules"]

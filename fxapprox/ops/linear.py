@@ -25,8 +25,8 @@ import torch
 
 from fxapprox._validate import check_choice
 from fxapprox.ops._autocast import cast_like_autocast
-from fxapprox.ops.training_context import note_derived
 from fxapprox.ops.sampling import rounded_count, select_pairs
+from fxapprox.ops.training_context import note_derived
 
 
 def _nonempty(kept: torch.Tensor, scale: torch.Tensor | None, scores: torch.Tensor):
@@ -240,7 +240,7 @@ def sampled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     With ``k >= in_features`` this is exactly ``F.linear``. ``save_input``: ``"reference"`` (default) keeps
     ``x`` itself for backward — no more memory than the exact layer, none at all where something else saves
     ``x`` anyway; ``"gathered"`` keeps a copy of its kept columns — ``k/n`` of it, less memory where this layer
-    is ``x``'s only saver (the plan chooses per layer, see ``fxapprox.passes.input_saving``).
+    is ``x``'s only saver (the plan chooses per layer, see ``fxapprox.passes.policy.input_saving``).
 
     Example::
 

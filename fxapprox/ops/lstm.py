@@ -280,7 +280,7 @@ def _lstm_backward(grad_hs, grad_h_last, grad_c_last, x, h0, c0, w_ih, w_hh, gat
 # The layer is two torch.library custom ops, not an autograd.Function: torch.compile keeps each one
 # opaque (one node, no graph break, the time loop not unrolled into the graph: dynamo broke on its
 # strided ``out=`` writes and would unroll T steps), and their FLOPs are registered formulas
-# (passes/flops.py) since FlopCounterMode does not look inside a custom op.
+# (passes/analysis/flops.py) since FlopCounterMode does not look inside a custom op.
 @torch.library.custom_op("fxapprox::lstm_layer", mutates_args=())
 def _lstm_layer_op(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
                    bias: torch.Tensor | None, keep_ratio: float, granularity: str, reverse: bool,

@@ -285,7 +285,7 @@ def select_pairs(method: str, scores: torch.Tensor, k: int,
         raise ValueError(f"method must be one of {allowed}, got {method!r}") from None
     random_share = check_share("random_share", random_share)
     if current().isolate_draws:
-        # A guarded step (fxapprox.guard): draw from a fork of the RNG, so that the layers' dropout draws the
+        # A guarded step (fxapprox.runtime.guard): draw from a fork of the RNG, so that the layers' dropout draws the
         # same masks as in the exact reference pass, which replays the step from the same RNG state.
         devices = [scores.device] if scores.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):

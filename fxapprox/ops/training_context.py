@@ -1,6 +1,6 @@
 """What the sampled ops need to know about the step they run in: one context object in a ``ContextVar``.
 
-* ``compressor`` — the saved-activation compressor of the forward running (``fxapprox.saved_activations``), or
+* ``compressor`` — the saved-activation compressor of the forward running (``fxapprox.runtime.saved_activations``), or
   ``None``: a sampled op that saves a copy of part of its input (the gathered columns ``x[:, S]``, a tensor the
   memory plan never saw as a graph value) tells it through :func:`note_derived`, and the copy inherits the
   compression of ``x``;
@@ -8,9 +8,9 @@
   attributes their bytes to ``x`` (:func:`record_derivations`);
 * ``analysing_attention`` — attention takes its compressed-training path outside a compressing forward (the
   analysis passes, :func:`fxapprox.ops.attention.as_in_compressed_training`);
-* ``isolate_draws`` — the sampled ops draw from a fork of the RNG (a guarded step, ``fxapprox.guard``).
+* ``isolate_draws`` — the sampled ops draw from a fork of the RNG (a guarded step, ``fxapprox.runtime.guard``).
 
-Kept apart from :mod:`fxapprox.saved_activations` so the op modules need not import the hooks machinery.
+Kept apart from :mod:`fxapprox.runtime.saved_activations` so the op modules need not import the hooks machinery.
 """
 
 from __future__ import annotations

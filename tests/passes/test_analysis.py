@@ -5,7 +5,7 @@ from torch import nn
 
 from fxapprox.passes import (annotate_channels, count_flops, measure_saved_bytes, propagate_shapes,
                              rank_layers, to_networkx, trace)
-from fxapprox.records import flops_of, kind_of, saved_of, tensor_of
+from fxapprox.pipeline.records import flops_of, kind_of, saved_of, tensor_of
 
 
 class Net(nn.Module):
@@ -122,7 +122,7 @@ def test_sparse_lstm_flops_are_counted_and_shrink_with_the_keep_ratio():
 def test_cudnn_lstm_flop_formulas_match_the_onednn_ones():
     """The CUDA (cuDNN) LSTM kernels get the same count as oneDNN's: 2·T·B·4H·(I + H) per layer and direction
     forward, twice that backward. Checked on the shapes FlopCounterMode hands the formulas (no GPU needed)."""
-    from fxapprox.passes.flops import _cudnn_rnn_backward, _cudnn_rnn_forward
+    from fxapprox.passes.analysis.flops import _cudnn_rnn_backward, _cudnn_rnn_forward
 
     steps, batch, inputs, hidden = 7, 3, 8, 16
     lstm = nn.LSTM(inputs, hidden, num_layers=2, bidirectional=True)
@@ -151,7 +151,7 @@ def test_grouped_convolution_backward_is_counted_per_group():
     gradients each as many FLOPs as the forward, grouped or not."""
     import torch.utils.flop_counter as flop_counter
 
-    import fxapprox.passes.flops  # noqa: F401 — registers the formula
+    import fxapprox.passes.analysis.flops  # noqa: F401 — registers the formula
 
     torch.manual_seed(0)
     for conv, x in ((nn.Conv2d(96, 96, 7, padding=3, groups=96), torch.randn(2, 96, 16, 16)),

@@ -152,7 +152,7 @@ def _tower_with_measurements(errors: dict, speedups: dict | None = None, **confi
 
     from fxapprox.passes import (annotate_channels, count_flops, enumerate_candidates, propagate_shapes,
                                  rank_layers, trace)
-    from fxapprox.records import CANDIDATES_KEY, candidates_of
+    from fxapprox.pipeline.records import CANDIDATES_KEY, candidates_of
 
     config = ApproxConfig(**{**MEASURED_BY_HAND, **config})
     x = torch.randn(32, 64)
@@ -257,7 +257,7 @@ def test_config_round_trips_through_json_and_rejects_what_it_cannot_rebuild():
 
 
 def test_payoff_note_says_sooner_or_later_as_a_factor_above_one():
-    from fxapprox.passes.payoff import GainModel
+    from fxapprox.passes.policy.payoff import GainModel
 
     model = GainModel(exact_step_seconds=None, total_flops=100.0)
     # Half the FLOPs saved: 2x faster per step. 1.6x the steps: sooner; 5x the steps: 2.5x later.

@@ -1,4 +1,4 @@
-"""The plan checked on the example batch (``passes/check_plan.py``): measured errors, conservative re-plans."""
+"""The plan checked on the example batch (``passes/guard/check_plan.py``): measured errors, conservative re-plans."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ from torch import nn
 
 import fxapprox
 from fxapprox import ApproxConfig
-from fxapprox.passes.check_plan import PlanCheck, tightened
-from fxapprox.passes.replan import Calibration
+from fxapprox.passes.guard.check_plan import PlanCheck, tightened
+from fxapprox.passes.guard.replan import Calibration
 
 #: no timing (plans depend on errors only), no tolerance: the budget is spent as the errors say
 UNTIMED = dict(min_speedup=None, max_grad_error=None, check_every=None)
@@ -32,8 +32,8 @@ def _check(plan) -> dict:
 
 def _measured_error(approx, x) -> float:
     """One step's model-gradient error of ``approx`` against exact training on ``x`` (the same seed)."""
-    from fxapprox._projection import projection_loss
-    from fxapprox.guard import gradient_errors, owner_groups
+    from fxapprox.pipeline._projection import projection_loss
+    from fxapprox.runtime.guard import gradient_errors, owner_groups
 
     def grads(sampling: bool) -> dict:
         approx.set_approximate(sampling)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
-from fxapprox.modules import ApproxConv2d, ApproxLinear
+from fxapprox.runtime.modules import ApproxConv2d, ApproxLinear
 
 FLOPS = fxapprox.ApproxConfig(policy="flops", keep_ratio=0.5, min_channels=8)
 

@@ -11,10 +11,10 @@ from torch import nn
 
 import fxapprox
 from fxapprox import ApproxConfig, LayerOverride, Plan
-from fxapprox.op_kinds import OP_KINDS, OpKind, register_op_kind
+from fxapprox.op_kinds.registry import OP_KINDS, OpKind, register_op_kind
 from fxapprox.passes import (annotate_channels, count_flops, enumerate_candidates, measure_candidates,
                              propagate_shapes, trace)
-from fxapprox.records import CANDIDATES_KEY, candidates_of
+from fxapprox.pipeline.records import CANDIDATES_KEY, candidates_of
 
 #: deterministic plans: no timing (min_speedup=None), no tolerance unless a test sets one
 MEASURED = dict(policy="measured", min_speedup=None, max_grad_error=None, min_gain=None)
@@ -130,7 +130,7 @@ def test_narrow_outputs_block_input_gradient_sampling():
 
 
 def test_head_forward_error_is_neither_discounted_nor_averaged():
-    from fxapprox.passes.error_model import FORWARD_DISCOUNT, output_layers
+    from fxapprox.passes.measurement.error_model import FORWARD_DISCOUNT, output_layers
     torch.manual_seed(0)
     x = torch.randn(64, 64)
     # plan_check off: the predictions as the error model makes them, not scaled by the plan's check

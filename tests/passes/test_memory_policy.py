@@ -8,12 +8,12 @@ from torch import nn
 import fxapprox
 from fxapprox import ApproxConfig
 from fxapprox.ops.pooling import compact_max_pool2d
-from fxapprox.passes.compact_pooling import compact_max_pools
-from fxapprox.passes.memory_policy import plan_memory
-from fxapprox.passes.saved_bytes import measure_saved_bytes
-from fxapprox.passes.shape_prop import propagate_shapes
-from fxapprox.saved_markers import compress_saved
-from fxapprox.records import BIT_ERRORS_KEY, saved_of
+from fxapprox.passes.analysis.saved_bytes import measure_saved_bytes
+from fxapprox.passes.analysis.shape_prop import propagate_shapes
+from fxapprox.passes.memory.compact_pooling import compact_max_pools
+from fxapprox.passes.memory.memory_policy import plan_memory
+from fxapprox.pipeline.records import BIT_ERRORS_KEY, saved_of
+from fxapprox.runtime.saved_markers import compress_saved
 
 
 class Block(nn.Module):

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxapprox
-from fxapprox.modules import ApproxConv2d, ApproxFunctionalLinear, ApproxLinear, ApproxMatmul
-from fxapprox.records import decision_of, flops_of, kind_of
+from fxapprox.pipeline.records import decision_of, flops_of, kind_of
+from fxapprox.runtime.modules import ApproxConv2d, ApproxFunctionalLinear, ApproxLinear, ApproxMatmul
 
 
 class Mixed(nn.Module):

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 import fxapprox
-from fxapprox.passes.trace import trace
+from fxapprox.passes.capture.trace import trace
 
 #: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
 FLOPS = fxapprox.ApproxConfig(policy="flops")

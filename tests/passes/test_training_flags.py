@@ -5,7 +5,7 @@ from torchvision.ops import StochasticDepth
 
 import fxapprox
 from fxapprox.passes import follow_training_mode, trace
-from fxapprox.passes.training_flags import ModeFollowingCall
+from fxapprox.passes.capture.training_flags import ModeFollowingCall
 
 #: the FLOP-ranked policy: these tests are about the rewrite, not about which layers the measured policy picks
 FLOPS = fxapprox.ApproxConfig(policy="flops")

@@ -1,0 +1,490 @@
+"""What an approximated model does at training time, whatever its capture: the call path (lazy planning,
+compressed saving), the guard (checks against exact gradients, re-plans) and the public surface (``.plan``,
+``.report``, ``.history``, ``.set_approximate``).
+
+:class:`ApproxRuntime` is mixed into :class:`~fxapprox.api.ApproxGraphModule` (a traced model) and into the
+class of a hierarchically captured model (:mod:`fxapprox.pipeline.eager`); ``_planning_module()`` is the graph the
+plan's layers are nodes of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import types
+import warnings
+
+import torch
+import torch.fx
+
+from fxapprox.config import ApproxConfig
+from fxapprox.errors import PlanNotReadyError
+from fxapprox.passes.guard.replan import calibrated_error, calibration, predicted_families, replan
+from fxapprox.passes.measurement.candidates import parameterised
+from fxapprox.passes.measurement.measure_candidates import planned_step_speedup
+from fxapprox.passes.memory.rewrite_checkpoint import checkpointed_forward
+from fxapprox.passes.policy.payoff import gain_model
+from fxapprox.pipeline.ranks import mean_over_ranks, plan_of_rank_zero
+from fxapprox.plan import Plan
+from fxapprox.report import Report
+from fxapprox.runtime.guard import (CheckRecord, CheckStep, LayerCheck, TrainingHistory, alignment_and_cosine,
+                                    gradient_errors, owner_groups)
+from fxapprox.runtime.model_state import ModelState
+from fxapprox.runtime.modules import APPROX_MODULE_TYPES, SamplingSpec
+from fxapprox.runtime.saved_activations import SavedActivationStats, compressing_saved_tensors
+from fxapprox.schedule import NoiseScale, ScheduleRecord, schedule_strength, step_fraction
+
+__all__ = ["ApproxRuntime"]
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _shapes(values) -> list:
+    return [list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
+
+
+
+class ApproxRuntime:
+    """Mixin: the training-time behaviour and public surface of an approximated model (see the module docstring).
+    The class it is mixed into provides ``plan_from(*args, **kwargs)`` and ``_fxapprox_state``."""
+
+    def _planning_module(self) -> torch.fx.GraphModule:
+        """The ``GraphModule`` whose nodes the plan's layers are."""
+        return self
+
+    def __call__(self, *args, **kwargs):
+        state = self._fxapprox_state
+        if state.plan is None and not state.in_reference:
+            self.plan_from(*args, **kwargs)
+        training = state.enabled and self.training and torch.is_grad_enabled()
+        if state.in_reference or not training:
+            return super().__call__(*args, **kwargs)
+        if not torch.compiler.is_compiling():
+            return self._training_call(args, kwargs)
+        if state.config.schedule_kind != "constant":
+            # the schedule counts steps and sets keep-ratios outside the compiled graph (a graph break; a change
+            # of strength recompiles); a constant plan compiles whole
+            self._compiled_step(args, kwargs)
+        if self._check_every() is not None and not state.warned_compile:
+            state.warned_compile = True
+            warnings.warn("fxapprox: the guard (ApproxConfig(check_every=...)) does not run under torch.compile; "
+                          "the compiled training step is not checked against exact gradients", RuntimeWarning,
+                          stacklevel=2)
+        if state.saving is None:
+            return super().__call__(*args, **kwargs)
+        warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward runs eagerly under "
+                      "torch.compile (compressed activation saving is not compiled); the sampled ops of a "
+                      "compute-only plan compile", RuntimeWarning, stacklevel=2)
+        return self._compressing_call(*args, **kwargs)
+
+    def _begin_step(self, args, kwargs) -> int:
+        """Count a training step; close a check whose backward never ran; re-plan the memory when due."""
+        state = self._fxapprox_state
+        check = state.check
+        if check is not None:
+            check.cancel()
+            state.check = None
+        state.training_steps += 1
+        self._follow_schedule(state.training_steps)
+        every = state.config.activation_replan_every
+        if every and state.training_steps % every == 0 and state.memory_budget is not None \
+                and state.saving is not None:
+            self.replan_memory(*args, **kwargs)
+        return state.training_steps
+
+    def _training_call(self, args, kwargs):
+        state = self._fxapprox_state
+        step = self._begin_step(args, kwargs)
+        if state.saving is not None:
+            def call():
+                return self._compressed_forward(args, kwargs)
+        else:
+            def call():
+                return super(ApproxRuntime, self).__call__(*args, **kwargs)
+        if not self._check_due(step):
+            return call()
+        plan = self.plan
+        forward = any(d.mode == "forward" for d in plan.approximated)
+        backward = any(d.mode != "forward" for d in plan.approximated) or plan.memory is not None
+        check = CheckStep(self, args, kwargs, self._reference_call, lambda measured: self._checked(step, measured),
+                          replay=forward and backward)
+        state.check = check
+        return check.run(call)
+
+    @torch._dynamo.disable
+    def _compiled_step(self, args, kwargs) -> None:
+        if self._fxapprox_state.saving is None:   # the compressing call counts its own steps
+            self._begin_step(args, kwargs)
+
+    @torch._dynamo.disable
+    def _compressing_call(self, *args, **kwargs):
+        # Eager under torch.compile (a graph break here): the pack hooks key saved tensors by storage and the
+        # markers tag graph values as they are made, neither of which survives inductor's rewriting of the
+        # forward and of what it saves.
+        self._begin_step(args, kwargs)
+        return self._compressed_forward(args, kwargs)
+
+    def _compressed_forward(self, args, kwargs):
+        state = self._fxapprox_state
+        forward = self._checkpointed_forward()
+        with compressing_saved_tensors(state.saving, self) as compressor:
+            if forward is None:
+                output = super().__call__(*args, **kwargs)
+            else:
+                # The module's own call (its hooks included) around the checkpointed copy of the graph: an
+                # instance attribute shadows the generated ``forward`` for this call only.
+                self.__dict__["forward"] = types.MethodType(forward, self)
+                try:
+                    output = super().__call__(*args, **kwargs)
+                finally:
+                    del self.__dict__["forward"]
+        state.saved_stats = compressor.stats()
+        return output
+
+    def _checkpointed_forward(self):
+        """The training forward of a memory plan that checkpoints blocks
+        (``fxapprox.passes.memory.rewrite_checkpoint``), built from the graph as it stands and kept until the graph
+        changes; ``None`` when no block is checkpointed."""
+        state = self._fxapprox_state
+        memory = state.plan.memory if state.plan is not None else None
+        if memory is None or not memory.checkpointed or not isinstance(self, torch.fx.GraphModule):
+            return None
+        source = (self.code, memory)   # the graph and the plan it was built from (a rank may adopt rank 0's)
+        cached = state.checkpointed
+        if cached is None or cached[0][0] is not source[0] or cached[0][1] is not source[1]:
+            state.checkpointed = (source, checkpointed_forward(self, memory.checkpointed, state.saving))
+        return state.checkpointed[1]
+
+    # -- the guard ------------------------------------------------------------------------------
+    def _check_every(self) -> int | None:
+        return self._fxapprox_state.config.check_every
+
+    def _check_due(self, step: int) -> bool:
+        every = self._check_every()
+        if every is None:
+            return False
+        state = self._fxapprox_state
+        # schedule="noise" checks in pairs (the step after a check too): two batches' exact gradients at nearly the
+        # same weights give the noise scale
+        paired = state.config.schedule_kind == "noise" and every > 1 and step % every == 1 and step > 1
+        if step % every and not paired:
+            return False
+        plan = self.plan
+        sampling = bool(plan.approximated) and state.strength > 0
+        return sampling or (plan.memory is not None and bool(plan.memory.compressed or plan.memory.recomputed))
+
+    def _reference_call(self, args, kwargs, aliases, keep_forward: bool = False):
+        """The model on ``aliases`` of its parameters, exact (the guard's reference pass) or, with
+        ``keep_forward``, with only the forward-sampled layers sampled (no compressed activations either)."""
+        state = self._fxapprox_state
+        modules = [m for m in self.modules() if isinstance(m, APPROX_MODULE_TYPES)]
+        flags = [m.fxapprox_enabled for m in modules]
+        for module in modules:
+            module.fxapprox_enabled = module.fxapprox_enabled and keep_forward \
+                and module.fxapprox_spec.mode == "forward"
+        state.in_reference = True
+        try:
+            return torch.func.functional_call(self, aliases, args, kwargs, strict=False)
+        finally:
+            state.in_reference = False
+            for module, flag in zip(modules, flags):
+                module.fxapprox_enabled = flag
+
+    def _layer_parameters(self, decision) -> list[str]:
+        """Names of the parameters an approximated layer's weight gradient is measured on."""
+        planning = self._planning_module()
+        node = next((n for n in planning.graph.nodes if n.name == decision.node), None)
+        if node is None:
+            return []
+        names = []
+        if node.op == "call_module":
+            module = planning.get_submodule(node.target)
+            names += [f"{node.target}.{name}" for name, p in module.named_parameters(recurse=False)
+                      if p.requires_grad]
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and parameterised(planning, arg):
+                names.append(arg.target)
+        return names
+
+    def _checked(self, step: int, measured: dict) -> None:
+        """Turn one check's gradients into a :class:`~fxapprox.runtime.guard.CheckRecord` and act on it: re-plan when
+        the calibrated error passes the tolerance or the plan is no longer predicted to pay."""
+        state = self._fxapprox_state
+        state.check = None
+        plan = self.plan
+        config: ApproxConfig = state.config
+        exact, approx, replay = measured["exact"], measured["approx"], measured["replay"]
+        groups = owner_groups(exact)
+        model_error, _ = gradient_errors(exact, approx, groups)
+        forward = any(d.mode == "forward" for d in plan.approximated)
+        if replay is not None:
+            backward_error = gradient_errors(replay, approx, groups)[0]
+        else:
+            backward_error = 0.0 if forward else model_error
+        families = predicted_families(self._planning_module())
+        memory_error = plan.memory.predicted_error if plan.memory is not None else None
+        layers = []
+        for decision in plan.approximated:
+            names = self._layer_parameters(decision)
+            _, errors = gradient_errors(exact, approx, {decision.target: names}) if names else (0.0, {})
+            layers.append(LayerCheck(node=decision.node, target=decision.target, method=decision.method,
+                                     mode=decision.mode, keep_ratio=decision.keep_ratio,
+                                     planned_error=decision.isolated_grad_error,
+                                     measured_error=errors.get(decision.target)))
+        alignment, cosine = alignment_and_cosine(exact, approx)
+        # Under DDP each rank checked its own shard of the batch: every rank acts on the ranks' mean, so all make
+        # the same decision and the plans stay in agreement.
+        model_error, backward_error, output_error, exact_seconds, approx_seconds = mean_over_ranks(
+            [model_error, backward_error, measured["output_error"], measured["exact_seconds"],
+             measured["approx_seconds"]], next(iter(self.parameters())).device)
+        factors = calibration(families, backward_error, output_error, memory_error or 0.0, model_error)
+        calibrated = math.hypot(calibrated_error(families, factors),
+                                math.sqrt(factors.backward) * (memory_error or 0.0))
+        record = CheckRecord(step=step, model_error=model_error, predicted_error=plan.predicted_step_error,
+                             backward_error=backward_error,
+                             predicted_backward_error=math.sqrt(families["backward_step"] + (memory_error or 0) ** 2),
+                             output_error=output_error,
+                             predicted_output_error=math.sqrt(families["output"]),
+                             calibrated_error=calibrated, alignment=alignment, cosine=cosine,
+                             exact_seconds=exact_seconds, approx_seconds=approx_seconds,
+                             layers=tuple(layers), planned_flops=plan.achieved, strength=state.strength)
+        record = self._follow_noise(self._act_on_check(record, factors), exact)
+        state.history.append(record)
+        if config.check_verbose:
+            _console().print(record.line(), highlight=False)
+
+    def _act_on_check(self, record: CheckRecord, factors) -> CheckRecord:
+        """Re-plan when the check says so (``passes/guard/replan.py``: under ``budget="auto"`` past
+        ``max_grad_error`` or when the plan no longer pays, under a numeric budget only past ``divergence_error``); the
+        record says what was done and why."""
+        state = self._fxapprox_state
+        config: ApproxConfig = state.config
+        plan = self.plan
+        auto = plan.budget == "auto"
+        payoff = gain_model(self._planning_module(), plan.total_exact_flops)
+        # Speed: the median of the measured speed-ups since the last re-plan (the first check's step may still pay
+        # one-off costs: left out once there are others). Measured values only: under DDP they are the ranks'
+        # mean, so every rank decides alike.
+        since = []
+        for previous in state.history.records:
+            since = [] if previous.action == "replanned" else since + [previous.speedup]
+        speeds = (since[1:] if len(since) > 1 else since) + [record.speedup]
+        speedup = statistics.median(speeds)
+        why = []
+        threshold, name = (config.max_grad_error, "max_grad_error") if auto else \
+            (config.divergence_error, "divergence_error")
+        if threshold is not None and record.calibrated_error > threshold:
+            why.append(f"calibrated model-gradient error {record.calibrated_error:.3f} > {name} {threshold:g}")
+        gain = None
+        if plan.approximated:
+            # Steps from what this step measured: each family's error squared times its cost (passes/policy/payoff.py).
+            backward_cost, forward_cost = config.error_costs
+            steps = payoff.steps(backward_cost * record.backward_error ** 2 + forward_cost * record.output_error ** 2)
+            gain = speedup / steps
+            if auto and config.min_gain is not None and gain < config.min_gain:
+                why.append(f"{speedup:.2f}x faster per step but {steps:.2f}x the steps: {gain:.2f}x < min_gain "
+                           f"{config.min_gain:g}")
+        if not why or not plan.approximated:
+            note = ("within the tolerance" if auto else "below divergence_error") + (
+                "" if gain is None else f", predicted {gain:.2f}x sooner to a given loss" if gain >= 1 else
+                f", predicted {1 / gain:.2f}x later to a given loss")
+            return dataclasses.replace(record, note=note if plan.approximated else "nothing sampled")
+        if not config.check_replan:
+            return dataclasses.replace(record, action="measured", note="; ".join(why) + " (check_replan=False)")
+        if plan.predicted_error is None:   # only the measured policy's candidates carry the errors a re-plan needs
+            return dataclasses.replace(record, action="measured",
+                                       note="; ".join(why) + " (policy='flops' plans are not re-planned)")
+        planning = self._planning_module()
+        new = self._with_schedule(plan_of_rank_zero(planning, replan(planning, plan, factors, speedup, record.step,
+                                                                     config, "; ".join(why))))
+        self._apply_plan(new)
+        changed = [d for d, old in zip(new.layers, plan.layers)
+                   if (d.approximate, d.mode, d.method, d.k) != (old.approximate, old.mode, old.method, old.k)]
+        summary = ", ".join(f"{d.target} {'exact' if not d.approximate else f'{d.mode} {d.method} {d.keep_ratio:.2f}'}"
+                            for d in changed) or "no layer changed"
+        moved = "" if auto else (f"; the plan moved from {plan.achieved:.3f} to {new.achieved:.3f} of exact training "
+                                 f"FLOPs (budget {plan.budget:g})")
+        return dataclasses.replace(record, action="replanned", planned_flops=new.achieved,
+                                   note="; ".join(why) + f" → {summary}{moved}")
+
+    def _apply_plan(self, plan: Plan) -> None:
+        """Give every approximated module its decision's spec (``k = n``: exact); parameters stay the same
+        objects, so the optimizer's state and the state_dict keys are untouched."""
+        state = self._fxapprox_state
+        planning = self._planning_module()
+        nodes = {n.name: n for n in planning.graph.nodes}
+        for decision in plan.layers:
+            node = nodes.get(decision.node)
+            if node is None or node.op != "call_module":
+                continue
+            module = planning.get_submodule(node.target)
+            if not isinstance(module, APPROX_MODULE_TYPES):
+                continue
+            spec = module.fxapprox_spec
+            if decision.approximate:
+                # the schedule's strength scales the dropped pairs (fxapprox.schedule); n kept pairs: exact
+                k = decision.n - round(state.strength * (decision.n - decision.k))
+                module.fxapprox_spec = SamplingSpec(method=decision.method, k=max(1, k), n=decision.n,
+                                                    mode=decision.mode, random_share=decision.random_share,
+                                                    save_input=decision.save_input or "reference")
+            else:
+                module.fxapprox_spec = dataclasses.replace(spec, k=spec.n)
+        state.plan = plan
+        state.report = Report(plan, state.model_name, state.report.input_shapes, state.history)
+
+    # -- the schedule over training -------------------------------------------------------------------
+    def _with_schedule(self, plan: Plan) -> Plan:
+        """``plan`` with the schedule it runs under (``ApproxConfig(schedule=..., total_steps=...)``)."""
+        config: ApproxConfig = self._fxapprox_state.config
+        record = ScheduleRecord.of(config.schedule_kind, config.total_steps, config.exact_fraction, plan.achieved)
+        return dataclasses.replace(plan, schedule=record.to_dict())
+
+    def _follow_schedule(self, step: int) -> None:
+        """Set the strength of training step ``step`` (step-driven schedules) and count its FLOPs."""
+        state = self._fxapprox_state
+        config: ApproxConfig = state.config
+        plan = state.plan
+        if plan is None:
+            return
+        kind = config.schedule_kind
+        if kind in ("mixed", "anneal"):
+            self._set_strength(schedule_strength(kind, step, config.total_steps, config.exact_fraction))
+        state.executed_flops_sum += step_fraction(state.strength, plan.achieved)
+
+    def _set_strength(self, strength: float) -> None:
+        state = self._fxapprox_state
+        if strength != state.strength:
+            state.strength = strength
+            self._apply_plan(state.plan)
+
+    def _follow_noise(self, record: CheckRecord, exact: dict) -> CheckRecord:
+        """``schedule="noise"``: on the second check of a pair, update the noise scale from the two exact
+        gradients and lower the strength where the scale calls for it (``fxapprox.schedule.NoiseScale``)."""
+        state = self._fxapprox_state
+        config: ApproxConfig = state.config
+        if config.schedule_kind != "noise":
+            return record
+        pending, state.noise_pending = state.noise_pending, None
+        if pending is None or pending[0] != record.step - 1:
+            state.noise_pending = (record.step, exact)
+            return dataclasses.replace(record, strength=state.strength)
+        previous = pending[1]
+        inner = squares = 0.0
+        for name, gradient in exact.items():
+            other = previous.get(name)
+            if gradient is None or other is None:
+                continue
+            gradient, other = gradient.double(), other.double()
+            inner += float((gradient * other).sum())
+            squares += 0.5 * float(gradient.pow(2).sum() + other.pow(2).sum())
+        inner, squares = mean_over_ranks([inner, squares], next(iter(self.parameters())).device)
+        if state.noise is None:
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            state.noise = NoiseScale(ranks=torch.distributed.get_world_size() if distributed else 1)
+        state.noise.update(inner, squares)
+        plan = self.plan
+        speedup = plan.measured_speedup or plan.predicted_speedup or record.speedup
+        before = state.strength
+        self._set_strength(state.noise.strength(before, speedup, plan.achieved))
+        ratio = state.noise.ratio
+        note = (f"gradient noise scale B_noise/B {ratio:.3g}: "
+                + (f"strength {before:g} → {state.strength:g}" if state.strength != before
+                   else f"strength {before:g} kept"))
+        return dataclasses.replace(record, noise_scale=ratio, strength=state.strength,
+                                   note="; ".join(filter(None, [record.note, note])))
+
+    @property
+    def executed_flops(self) -> float:
+        """Training FLOPs the steps so far executed as a fraction of exact training's (the schedule's strengths
+        counted; 1.0 before the first step).
+
+        Example::
+
+            >>> approx.executed_flops    # e.g. 0.625: the plan at 0.5 for 750 steps, exact for 250
+        """
+        state = self._fxapprox_state
+        return state.executed_flops_sum / state.training_steps if state.training_steps else 1.0
+
+    # -- public surface ---------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The :class:`~fxapprox.plan.Plan` (available once planned)."""
+        plan = self._fxapprox_state.plan
+        if plan is None:
+            raise PlanNotReadyError(
+                "no plan yet: it is made on the first batch the module sees; run one forward pass "
+                "or pass example_inputs= to fxapprox.approximate")
+        return plan
+
+    @property
+    def report(self) -> Report:
+        """The rewrite :class:`~fxapprox.report.Report` (available once planned)."""
+        self.plan  # noqa: B018 — raises the explanatory error when not planned yet
+        return self._fxapprox_state.report
+
+    @property
+    def saved_activation_stats(self) -> SavedActivationStats | None:
+        """What the last compressing training forward kept for backward (``None`` before one ran).
+
+        Example::
+
+            >>> approx(x).sum().backward()
+            >>> approx.saved_activation_stats.ratio     # e.g. 7.6 (times fewer bytes) at 4 bits
+        """
+        return self._fxapprox_state.saved_stats
+
+    @property
+    def history(self) -> TrainingHistory:
+        """The guard's checks so far (:class:`~fxapprox.runtime.guard.TrainingHistory`; empty when ``check_every`` is
+        ``None`` or nothing was trained yet).
+
+        Example::
+
+            >>> approx.history[-1].model_error, approx.history[-1].speedup
+            >>> json.dumps(approx.history.to_dict())
+        """
+        return self._fxapprox_state.history
+
+    @property
+    def planned(self) -> bool:
+        return self._fxapprox_state.plan is not None
+
+    def set_approximate(self, enabled: bool) -> "ApproxRuntime":
+        """Switch approximation on (``True``) or off (``False``, exact training); returns ``self``.
+
+        Example::
+
+            >>> approx.set_approximate(False)   # e.g. the last epochs exact
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+        self._fxapprox_state.enabled = enabled
+        for module in self.modules():
+            if isinstance(module, APPROX_MODULE_TYPES):
+                module.fxapprox_enabled = enabled
+        return self
+
+    def _set_sampling(self, enabled: bool) -> None:
+        """Switch every sampled op on or off without changing ``set_approximate``'s setting (the planned step's
+        timing compares the two)."""
+        for module in self.modules():
+            if isinstance(module, APPROX_MODULE_TYPES):
+                module.fxapprox_enabled = enabled
+
+    def _measure_planned_step(self, plan: Plan, inputs, forward) -> Plan:
+        """``plan`` with its step speed-up measured on the example batch, where the measured policy timed its
+        candidates and something is sampled."""
+        config: ApproxConfig = self._fxapprox_state.config
+        if not plan.approximated or config.policy != "measured" or config.min_speedup is None:
+            return plan
+        speedup = planned_step_speedup(self, inputs, forward, self._set_sampling, plan.fingerprint(), config)
+        return plan.with_measured_speedup(speedup)
+
+    def _portable_state(self) -> ModelState:
+        """The state without the check in flight (its hooks belong to this module's tensors)."""
+        return self._fxapprox_state.portable()

@@ -1,0 +1,76 @@
+"""The state an approximated model carries (``approx._fxapprox_state``): what was asked, what was planned, and
+what training has done since."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxapprox.config import ApproxConfig
+from fxapprox.runtime.guard import TrainingHistory
+
+__all__ = ["ModelState", "check_loaded"]
+
+
+@dataclass
+class ModelState:
+    """One approximated model's state. Mutable: planning, training steps and re-plans update it in place."""
+
+    # -- what was asked (``fxapprox.approximate``'s arguments) --------------------------------------------------
+    budget: float | str
+    memory_budget: float | None
+    method: str
+    config: ApproxConfig
+    model_name: str
+    # -- what was planned ---------------------------------------------------------------------------------------
+    #: the current plan and its report (``None`` until the first batch or ``example_inputs``)
+    plan: Any = None          # fxapprox.plan.Plan
+    report: Any = None        # fxapprox.report.Report
+    #: the config the memory plan was made with (``activation_recompute="auto"`` decided)
+    memory_config: ApproxConfig | None = None
+    #: the compressed-saving options of the memory plan, ``None`` without one
+    saving: Any = None        # fxapprox.runtime.saved_activations.SavingOptions
+    #: region-captured models (``fxapprox.pipeline.eager``): the root region and the stitched planning graph
+    root: dict | None = None
+    planning: Any = None      # torch.fx.GraphModule
+    #: submodules torch.fx could not trace (``UntracedModule.to_dict``), captured region by region with the root
+    untraced: tuple = ()
+    # -- what training has done --------------------------------------------------------------------------------
+    #: ``set_approximate``: sampled ops on (``True``) or the exact model
+    enabled: bool = True
+    training_steps: int = 0
+    history: TrainingHistory = field(default_factory=TrainingHistory)
+    #: the last training step's saved-activation statistics (compressed saving only)
+    saved_stats: Any = None   # fxapprox.runtime.saved_activations.SavedActivationStats
+    #: the guard's check in flight (holds a batch and hooks on this module's tensors), or ``None``
+    check: Any = None
+    #: ``True`` while the exact reference runs inside a check
+    in_reference: bool = False
+    #: memory re-plans so far (``replan_memory``)
+    replans: int = 0
+    warned_compile: bool = False
+    #: the schedule's strength in force (``fxapprox.schedule``: 1 the plan, 0 exact)
+    strength: float = 1.0
+    #: the training FLOPs the steps so far executed, in exact steps (÷ ``training_steps``: ``executed_flops``)
+    executed_flops_sum: float = 0.0
+    #: ``schedule="noise"``: the gradient noise scale's estimate and the last check's exact gradients
+    noise: Any = None         # fxapprox.schedule.NoiseScale
+    noise_pending: Any = None  # (step, {name: exact gradient})
+    #: the checkpointed training forward and the graph code it was built from (``ApproxRuntime``), rebuilt on demand
+    checkpointed: Any = None
+
+    def portable(self) -> "ModelState":
+        """A copy without the check in flight (its hooks belong to this module's tensors) and without the noise
+        schedule's held gradients (the next pair of checks starts afresh), for copies and pickles."""
+        return dataclasses.replace(self, check=None, in_reference=False, noise_pending=None, checkpointed=None)
+
+
+def check_loaded(body: dict) -> None:
+    """Refuse, saying what to do, a model pickled by an fxapprox from before ``ModelState`` and the typed node
+    records (its state a dict, its analysis one ``node.meta["fxapprox"]`` dict): its planning state cannot be
+    read back, its weights can."""
+    if isinstance(body.get("_fxapprox_state"), dict):
+        raise ValueError("this approximated model was saved by an earlier fxapprox whose planning state this "
+                         "version cannot read; load its state_dict() into the original model and call "
+                         "fxapprox.approximate again")

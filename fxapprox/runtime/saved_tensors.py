@@ -1,0 +1,113 @@
+"""What names a tensor autograd saves, and counting them: storage identity, memory layout, parameters left out.
+
+Shared by the compressed-saving runtime (:mod:`fxapprox.runtime.saved_activations`), the planning passes that measure
+saved bytes, and :class:`count_saved_bytes`, the user-facing counter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+__all__ = ["count_saved_bytes", "is_dense", "memory_order", "state_storages", "storage_ptr", "tensor_key"]
+
+
+def storage_ptr(tensor: torch.Tensor) -> int | None:
+    """Address of ``tensor``'s storage (``None`` for mkldnn/sparse tensors, which have no plain storage)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers a gap-free, non-overlapping run of its storage (any order of dimensions:
+    contiguous, channels-last, a transpose of a contiguous tensor)."""
+    span = 1
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        if size > 1:
+            if stride <= 0:
+                return False
+            span += (size - 1) * stride
+    if span != tensor.numel():
+        return False
+    # A gap-free span of numel elements with no overlap: the strides, sorted, must be the running products.
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s > 1),
+                               key=lambda pair: pair[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _layout(tensor: torch.Tensor):
+    # Dense views of one run of memory (attention's output and the merged-heads view a projection saves) are
+    # one tensor to the plan: they share a key, and so one copy, kept in memory order.
+    if is_dense(tensor):
+        return "dense"
+    return (tuple(tensor.shape), tensor.stride())
+
+
+def tensor_key(tensor: torch.Tensor, ptr: int) -> tuple:
+    """What names one saved tensor: storage, offset, size, dtype, version and memory layout.
+
+    Dense views of the same run of storage (any permutation of dimensions) share a key, so they share
+    one copy.
+    """
+    return (ptr, tensor.storage_offset(), tensor.numel(), tensor.dtype, tensor._version, _layout(tensor))
+
+
+def memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """The 1-D run of storage a dense tensor covers (a view), or its elements in logical order (a copy)."""
+    if is_dense(tensor):
+        return tensor.as_strided((tensor.numel(),), (1,))
+    return tensor.reshape(-1)
+
+
+def state_storages(module: torch.nn.Module) -> set[int]:
+    """Storage pointers of a module's parameters and buffers (kept as they are, not counted)."""
+    pointers = {storage_ptr(t) for t in list(module.parameters()) + list(module.buffers())}
+    pointers.discard(None)
+    return pointers
+
+
+class count_saved_bytes:  # noqa: N801 — used like a function: ``with count_saved_bytes(model) as c``
+    """Count the distinct bytes autograd saves for backward inside the block (parameters left out).
+
+    Example::
+
+        >>> with fxapprox.count_saved_bytes(model) as counter:
+        ...     loss = model(x).sum()
+        >>> counter.bytes
+    """
+
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
+        self._state = state_storages(module) if module is not None else set()
+        self._seen: dict[tuple, int] = {}
+        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        ptr = storage_ptr(tensor)
+        if ptr is not None and ptr not in self._state:
+            self._seen[tensor_key(tensor, ptr)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    @property
+    def tensors(self) -> int:
+        return len(self._seen)
+
+    def __enter__(self) -> "count_saved_bytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
