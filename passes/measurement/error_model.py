@@ -109,8 +109,9 @@ def propagation_weights(gm: torch.fx.GraphModule, nodes=None) -> tuple[dict[str,
         sources = [a.name for i, a in enumerate(node.args)
                    if isinstance(a, torch.fx.Node) and i not in weight_positions]
         sources += [a.name for a in node.kwargs.values() if isinstance(a, torch.fx.Node)]
+        # summed in name order, not the set's hash order: the same plan whatever PYTHONHASHSEED
         weights[node.name] = sum(_share(norms.input_grad, owners[a].output_grad) if a in owners
-                                 else 1.0 for a in _nearest_owners(graph, sources, reached))
+                                 else 1.0 for a in sorted(_nearest_owners(graph, sources, reached)))
     return weights, max(1, len(owners))
 
 

@@ -173,7 +173,11 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
     torch.manual_seed(0)
     capture = capture_upstream(gm, savers | rebuilders, {n for n in gm.graph.nodes if parameterised(gm, n)},
                                example_inputs)
-    runners = {node: _SaverRunner(gm, node, capture.inputs[node], capture.grads.get(node, {})) for node in savers}
+    # in graph order: a saver that is a sampled op draws from the global generator, and a set's order would make
+    # the later draws differ from run to run (reproducible plans)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    runners = {node: _SaverRunner(gm, node, capture.inputs[node], capture.grads.get(node, {}))
+               for node in sorted(savers, key=order.__getitem__)}
     exact = {node: runner.run(set(), None, config, False) for node, runner in runners.items()}
     for node, (_, input_grads, _) in exact.items():
         write_norms(node, input_grad=total_norm(input_grads))
@@ -184,12 +188,12 @@ def measure_saved_values(gm: torch.fx.GraphModule, *example_inputs, values: dict
         task = bar.add_task("measuring saved-activation widths", total=len(values))
         for name, (members, saver_names, sign_exact, rebuilt) in values.items():
             contribution, per_saver = 0.0, {}
-            jobs = [(saver_name, None) for saver_name in saver_names]
+            jobs = [(saver_name, None) for saver_name in sorted(saver_names)]
             members_of = {entry[0]: entry[1] for entry in rebuilt}
             sources = {entry[0]: (entry[3], members_of.get(entry[3], members)) for entry in rebuilt}
             for rebuilt_name, rebuilt_members, rebuilt_savers, _ in rebuilt:
                 make = _rebuilder(gm, by_name, capture, rebuilt_name, sources, members, config, sign_exact)
-                jobs += [(saver_name, (rebuilt_members, make)) for saver_name in rebuilt_savers]
+                jobs += [(saver_name, (rebuilt_members, make)) for saver_name in sorted(rebuilt_savers)]
             for saver_name, rebuild in jobs:
                 node = by_name.get(saver_name)
                 if node not in runners:
