@@ -149,8 +149,7 @@ def _floor_note(value: SavedValue, bits: int) -> str:
         return ""
     if (value.floor_saver or "").startswith("checkpointed block"):
         return f"; no fewer than {value.min_bits} bits: {value.floor_saver} is recomputed from it"
-    return (f"; no fewer than {value.min_bits} bits: {value.floor_saver} exponentiates a product of its saved "
-            f"inputs in backward")
+    return f"; no fewer than {value.min_bits} bits: {value.floor_saver} {value.floor_reason}"
 
 
 def _sign_exact(gm: torch.fx.GraphModule, value: SavedValue) -> bool:
@@ -357,6 +356,7 @@ def _initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed
         root = values[chain_root(widths.rebuilt, name)]
         if values[name].min_bits > root.min_bits:
             root.min_bits, root.floor_saver = values[name].min_bits, values[name].floor_saver
+            root.floor_reason = values[name].floor_reason
     for name, value in values.items():
         widths.bits[name] = dtype_bits(value.dtype)
         blocker = _eligibility(value, config)

@@ -25,6 +25,13 @@ __all__ = ["EXPONENTIATING_SAVERS", "SavedValue", "dtype_bits", "is_relu", "mib"
 #: benchmarks).
 EXPONENTIATING_SAVERS = {torch.nn.functional.scaled_dot_product_attention: 8, attention_from_saved_inputs: 8}
 RELU_FUNCTIONS = {torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_}
+#: the fewest bits BatchNorm's saved input keeps. Its backward divides by each channel's batch deviation, but a
+#: group of the copy spans several channels once a feature map is smaller than the group (16 channels of a 4×4
+#: map at 256 elements): a channel whose deviation is far below its group's range gets an error far above its
+#: own scale, which grows as training sharpens the channels. ResNet-18 on digits with 2-bit copies everywhere:
+#: the gradient norm went 38 → 10⁵ → NaN within 14 SGD steps (``benchmarks/bench_memory_frontier.py``'s quality
+#: section measured NaN at ``memory_budget=0.0625``).
+BATCH_NORM_MIN_BITS = 8
 
 
 def is_relu(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -34,6 +41,12 @@ def is_relu(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op == "call_function":
         return node.target in RELU_FUNCTIONS
     return node.op == "call_method" and node.target in ("relu", "relu_")
+
+
+def _is_batch_norm(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), nn.modules.batchnorm._BatchNorm)
+    return node.op == "call_function" and node.target in (torch.nn.functional.batch_norm, torch.batch_norm)
 
 
 def dtype_bits(dtype) -> int:
@@ -56,6 +69,7 @@ class SavedValue:
         self.sign_only = True
         self.min_bits = 0        # a floor on its width (see EXPONENTIATING_SAVERS), with the saver behind it
         self.floor_saver: str | None = None
+        self.floor_reason = ""   # what that saver's backward does with it, in words
         tensor_meta = root.meta.get("tensor_meta")
         self.dtype = getattr(tensor_meta, "dtype", None)
         self.shape = list(tensor_meta.shape) if hasattr(tensor_meta, "shape") else None
@@ -98,6 +112,10 @@ def saved_values(gm: torch.fx.GraphModule) -> tuple[dict[str, SavedValue], int, 
                 value.sign_only = False
             if node.target in EXPONENTIATING_SAVERS and root_of[node.name] != value.root.name:
                 value.min_bits, value.floor_saver = EXPONENTIATING_SAVERS[node.target], node.name
+                value.floor_reason = "exponentiates a product of its saved inputs in backward"
+            elif _is_batch_norm(gm, node) and value.min_bits < BATCH_NORM_MIN_BITS:
+                value.min_bits, value.floor_saver = BATCH_NORM_MIN_BITS, node.name
+                value.floor_reason = "divides by each channel's batch deviation in backward"
         for source, size in saved.saved_derived.items():
             value = values[root_of[source]]
             value.derived += size
