@@ -67,6 +67,9 @@ from _common import (interleaved_samples, machine_line, markdown_table, paired_r
 DATA = HERE / ".data" / "memory_frontier"
 MEMORY_BUDGETS = (0.5, 0.25, 0.125, 0.0625)
 COMPILE_BUDGETS = (0.5, 0.1)
+#: the models whose fxapprox rows run under torch.compile too (traced models; the Llama LM is captured region by
+#: region, whose memory plan runs eagerly under torch.compile)
+COMPILED_SAVING = ("transformer6", "transformer4")
 #: the quality runs' lengths where shorter than the workload's own (a short run, several seeds)
 QUALITY_STEPS = {"char_transformer": 200}
 DOC = HERE.parent / "docs" / "memory_frontier.md"
@@ -217,6 +220,11 @@ def _configurations(name: str, build, args, kwargs, quick: bool) -> dict:
     for budget in MEMORY_BUDGETS[::2] if quick else MEMORY_BUDGETS:
         configs[f"fxapprox {budget:g}"] = functools.partial(lambda b: fxapprox_model(build(), b, args, kwargs),
                                                             budget)
+    if use_compile and name in COMPILED_SAVING:
+        # the memory plan under torch.compile: its copies packed inside the compiled graphs
+        for budget in MEMORY_BUDGETS[::2] if quick else MEMORY_BUDGETS:
+            configs[f"fxapprox+compile {budget:g}"] = functools.partial(
+                lambda b: compiled(fxapprox_model(build(), b, args, kwargs), 1.0), budget)
     return configs
 
 
@@ -246,7 +254,7 @@ def child_frontier(name: str, repetitions: int, quick: bool) -> dict:
             rows[label].update(planned=memory.achieved, checkpointed=len(memory.checkpointed),
                                blocks=len(memory.blocks), predicted_time=memory.predicted_time,
                                measured_time=memory.measured_time, note=memory.note,
-                               saved=module.saved_activation_stats.stored_bytes)
+                               saved=stats.stored_bytes if (stats := module.saved_activation_stats) else None)
         elif label == "exact":
             module.train()
             with count_saved_bytes(module) as counter:
@@ -385,10 +393,12 @@ def plot(result: dict, path: Path) -> None:
         if "error" in row:
             continue
         kind = label.split()[0]
-        marker = {"exact": "o", "checkpoint": "s", "selective": "D", "compile": "^", "fxapprox": "*"}[kind]
+        marker = {"exact": "o", "checkpoint": "s", "selective": "D", "compile": "^", "fxapprox": "*",
+                  "fxapprox+compile": "P"}[kind]
         color = {"exact": "black", "checkpoint": "tab:blue", "selective": "tab:green", "compile": "tab:purple",
-                 "fxapprox": "tab:red"}[kind]
-        ax.scatter(row["peak"] / 2**20, row["time"], marker=marker, color=color, s=80 if kind == "fxapprox" else 50)
+                 "fxapprox": "tab:red", "fxapprox+compile": "tab:orange"}[kind]
+        ax.scatter(row["peak"] / 2**20, row["time"], marker=marker, color=color,
+                   s=80 if kind.startswith("fxapprox") else 50)
         ax.annotate(label, (row["peak"] / 2**20, row["time"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
     ax.set_xlabel("peak memory growth of a step (MiB)")
     ax.set_ylabel("step time / exact")
@@ -436,7 +446,7 @@ def main() -> None:
     if not options.skip_batch and "transformer4" in frontiers:
         exact_peak = frontiers["transformer4"]["rows"]["exact"]["peak"]
         for label in frontiers["transformer4"]["rows"]:
-            if label.startswith("compile"):
+            if "compile" in label:   # a batch size of its own per probe: a compile each
                 continue
             fit = _cached(data / f"batch-transformer4-{label.replace(' ', '_')}.json", options.fresh,
                           lambda: _run_child("batch", "transformer4", label, str(exact_peak), tag))

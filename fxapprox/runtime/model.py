@@ -23,11 +23,14 @@ from fxapprox.errors import PlanNotReadyError
 from fxapprox.passes.guard.replan import calibrated_error, calibration, predicted_families, replan
 from fxapprox.passes.measurement.candidates import parameterised
 from fxapprox.passes.measurement.measure_candidates import planned_step_speedup
+from fxapprox.passes.memory.memory_policy import plan_memory
 from fxapprox.passes.memory.rewrite_checkpoint import checkpointed_forward
+from fxapprox.passes.memory.rewrite_saved import unmarked_forward
 from fxapprox.passes.policy.payoff import gain_model
 from fxapprox.pipeline.ranks import mean_over_ranks, plan_of_rank_zero
 from fxapprox.plan import Plan
 from fxapprox.report import Report
+from fxapprox.runtime.compiled_saving import compiled_widths
 from fxapprox.runtime.guard import (CheckRecord, CheckStep, LayerCheck, TrainingHistory, alignment_and_cosine,
                                     gradient_errors, owner_groups)
 from fxapprox.runtime.model_state import ModelState
@@ -77,10 +80,13 @@ class ApproxRuntime:
                           stacklevel=2)
         if state.saving is None:
             return super().__call__(*args, **kwargs)
-        warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward runs eagerly under "
-                      "torch.compile (compressed activation saving is not compiled); the sampled ops of a "
-                      "compute-only plan compile", RuntimeWarning, stacklevel=2)
-        return self._compressing_call(*args, **kwargs)
+        if not isinstance(self, torch.fx.GraphModule):
+            warnings.warn("fxapprox: with a memory plan (memory_budget) the training forward of a model captured "
+                          "region by region runs eagerly under torch.compile (compressed activation saving is "
+                          "compiled for traced models); the sampled ops of a compute-only plan compile",
+                          RuntimeWarning, stacklevel=2)
+            return self._compressing_call(*args, **kwargs)
+        return self._compiled_compressing_call(args, kwargs)
 
     def _begin_step(self, args, kwargs) -> int:
         """Count a training step; close a check whose backward never ran; re-plan the memory when due."""
@@ -128,6 +134,49 @@ class ApproxRuntime:
         # forward and of what it saves.
         self._begin_step(args, kwargs)
         return self._compressed_forward(args, kwargs)
+
+    @torch._dynamo.disable(recursive=False)
+    def _compiled_compressing_call(self, args, kwargs):
+        # Saved-tensor hooks can only be pushed outside a compiled frame: this frame runs eagerly (a graph break),
+        # the hooks go on in a frame dynamo does not enter, and the module's forward, a frame of its own,
+        # compiles with them in force — AOTAutograd inlines them into its forward and backward graphs
+        # (fxapprox.runtime.compiled_saving).
+        hooks = self._enter_compiled_saving(args, kwargs)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._exit_compiled_saving(hooks)
+
+    @torch._dynamo.disable
+    def _enter_compiled_saving(self, args, kwargs):
+        self._begin_step(args, kwargs)
+        saving, forward = self._compiled_saving()
+        hooks = saving.hooks()
+        hooks.__enter__()
+        # an instance attribute shadows the generated ``forward`` for this call only
+        self.__dict__["forward"] = types.MethodType(forward, self)
+        return hooks
+
+    @torch._dynamo.disable
+    def _exit_compiled_saving(self, hooks) -> None:
+        self.__dict__.pop("forward", None)
+        hooks.__exit__(None, None, None)
+
+    def _compiled_saving(self):
+        """The :class:`~fxapprox.runtime.compiled_saving.CompiledSaving` and the training forward without marker
+        nodes, built from the graph and plan as they stand and kept until either changes (a new forward would
+        recompile). The widths are those of the values-only memory plan: under ``torch.compile`` the compiler's
+        partitioner decides what backward recomputes, so blocks are not checkpointed."""
+        state = self._fxapprox_state
+        memory = state.plan.memory
+        source = (self.code, memory)
+        cached = state.compiled_saving
+        if cached is None or cached[0][0] is not source[0] or cached[0][1] is not source[1]:
+            values_only = plan_memory(self, state.memory_budget, state.memory_config) if memory.checkpointed \
+                else memory
+            state.compiled_saving = (source, (compiled_widths(values_only, state.memory_config or state.config),
+                                              unmarked_forward(self)))
+        return state.compiled_saving[1]
 
     def _compressed_forward(self, args, kwargs):
         state = self._fxapprox_state

@@ -59,11 +59,14 @@ class ModelState:
     noise_pending: Any = None  # (step, {name: exact gradient})
     #: the checkpointed training forward and the graph code it was built from (``ApproxRuntime``), rebuilt on demand
     checkpointed: Any = None
+    #: the compiled-saving widths and unmarked training forward (``torch.compile``), and what they were built from
+    compiled_saving: Any = None
 
     def portable(self) -> "ModelState":
         """A copy without the check in flight (its hooks belong to this module's tensors) and without the noise
         schedule's held gradients (the next pair of checks starts afresh), for copies and pickles."""
-        return dataclasses.replace(self, check=None, in_reference=False, noise_pending=None, checkpointed=None)
+        return dataclasses.replace(self, check=None, in_reference=False, noise_pending=None, checkpointed=None,
+                                   compiled_saving=None)
 
 
 def check_loaded(body: dict) -> None:

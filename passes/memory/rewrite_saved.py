@@ -64,3 +64,21 @@ def remove_saved_markers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             gm.graph.erase_node(node)
     gm.recompile()
     return gm
+
+
+def unmarked_forward(gm: torch.fx.GraphModule):
+    """The ``forward(self, *args, **kwargs)`` of a copy of ``gm``'s graph without the marker nodes (call it with
+    ``gm``): the training forward under ``torch.compile``, where the compiled graphs' own hooks compress what
+    is saved (:mod:`fxapprox.runtime.compiled_saving`) and the markers would only be traced for nothing."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    for node in gm.graph.nodes:
+        if node.target in (compress_saved, recompute_saved):
+            continue
+        if node.op == "get_attr" and node.users and all(u.target is recompute_saved for u in node.users):
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    code = graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, "<fxapprox: compiled training forward>", "exec"), namespace)  # noqa: S102
+    return namespace["forward"]
