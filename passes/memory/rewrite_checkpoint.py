@@ -21,7 +21,7 @@ import torch.fx
 from fxapprox.runtime.checkpointing import CheckpointedBlock, call_module
 from fxapprox.runtime.saved_markers import compress_saved, recompute_saved
 
-__all__ = ["block_callable", "checkpointed_forward", "checkpointed_graph"]
+__all__ = ["block_callable", "checkpointed_forward", "checkpointed_graph", "forward_of"]
 
 _MARKERS = (compress_saved, recompute_saved)
 
@@ -169,9 +169,15 @@ def checkpointed_graph(gm: torch.fx.GraphModule, blocks, saving=None
 def checkpointed_forward(gm: torch.fx.GraphModule, blocks, saving=None):
     """The ``forward(self, *args, **kwargs)`` of :func:`checkpointed_graph`'s copy, compiled (call it with ``gm``)."""
     graph, made = checkpointed_graph(gm, blocks, saving)
-    code = graph.python_code(root_module="self")
-    namespace = dict(code.globals)
-    exec(compile(code.src, "<fxapprox: checkpointed training forward>", "exec"), namespace)  # noqa: S102
-    forward = namespace["forward"]
+    forward = forward_of(graph, "<fxapprox: checkpointed training forward>")
     forward.blocks = made   # the CheckpointedBlock of each block, by name (for inspection)
     return forward
+
+
+def forward_of(graph: torch.fx.Graph, filename: str):
+    """``graph``'s code as a ``forward(self, *args, **kwargs)`` function (call it with the module it was copied
+    from), compiled under ``filename`` (what tracebacks and dynamo show)."""
+    code = graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, filename, "exec"), namespace)  # noqa: S102
+    return namespace["forward"]

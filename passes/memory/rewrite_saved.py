@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch.fx
 
 from fxapprox.passes.memory.memory_policy import recipe_of
+from fxapprox.passes.memory.rewrite_checkpoint import forward_of
 from fxapprox.plan import MemoryPlan
 from fxapprox.runtime.saved_markers import compress_saved, recompute_saved
 
@@ -78,7 +79,4 @@ def unmarked_forward(gm: torch.fx.GraphModule):
         if node.op == "get_attr" and node.users and all(u.target is recompute_saved for u in node.users):
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
-    code = graph.python_code(root_module="self")
-    namespace = dict(code.globals)
-    exec(compile(code.src, "<fxapprox: compiled training forward>", "exec"), namespace)  # noqa: S102
-    return namespace["forward"]
+    return forward_of(graph, "<fxapprox: compiled training forward>")
