@@ -16,8 +16,10 @@ Cases: ``Linear(2048, 2048)`` on 512 rows and ``Conv2d(256, 256, 3)`` on 16×256
 plan and with the FLOP-ranked forward top-k plan (the papers' op); ResNet-50 at batch 16, 160²; the character
 transformer of ``examples/char_transformer.py`` (4 blocks, d=256, 16×128 tokens) and the Hugging Face Llama LM of
 ``examples/llama_lm.py`` (6 blocks, d=384, 8×128 tokens), each with the default measured plan and with the measured
-plan restricted to forward sampling (``ApproxConfig(mode="forward")``). The default plan's modes are the pay-off
-model's choice; the forward rows show what the sampled ops give where every sampled GEMM shrinks.
+plan restricted to forward sampling (``ApproxConfig(mode="forward")``), and with the row family (``rows``: the
+budget spent by sampling the rows of every block's backward, forward exact, ``ApproxConfig(max_forward_kl=None)``;
+``rows 0.5``: every block's backward on half the samples, weight gradients exact). The default plan's modes are the
+pay-off model's choice; the forward rows show what the sampled ops give where every sampled GEMM shrinks.
 
 Usage: python benchmarks/bench_sampled_ops.py [--repetitions 15] [--budgets 0.5] [--cases linear,conv,...] [--write]
 ``--write`` puts the table into BENCHMARKS.md (section ``sampled_ops``) and docs/speed.md.
@@ -39,6 +41,7 @@ from torch import nn
 
 import fxapprox
 from fxapprox.ops.sampling import select_pairs
+from fxapprox.passes.policy.row_policy import with_ratios
 from fxapprox.runtime.modules import APPROX_MODULE_TYPES
 
 from _common import interleaved_samples, machine_line, markdown_table, paired_ratio, print_table, write_section
@@ -102,15 +105,20 @@ def flop_kernel_share(step, steps: int = 3) -> float:
 def run_case(name, make_model, inputs, loss_fn, budget, policy, repetitions):
     torch.manual_seed(0)
     exact = make_model().train()
+    rows = fxapprox.ApproxConfig(max_forward_kl=None, check_every=None, row_check_every=None)
     config = {"flops": fxapprox.ApproxConfig(policy="flops", check_every=None),
               "forward": fxapprox.ApproxConfig(mode="forward", check_every=None),
-              "measured": fxapprox.ApproxConfig(check_every=None)}[policy]
+              "measured": fxapprox.ApproxConfig(check_every=None), "rows": rows, "rows 0.5": rows}[policy]
     start = time.perf_counter()
     approx = fxapprox.approximate(exact, budget, example_inputs=inputs, method="topk" if policy == "flops" else "auto",
                                   config=config)
     planning = time.perf_counter() - start
     approx.train()
     steps = {"exact": _train_step(exact, inputs, loss_fn), "approx": _train_step(approx, inputs, loss_fn)}
+    if policy.startswith("rows"):
+        steps["approx"]()   # the first step's variance check calibrates the ratios
+        if policy == "rows 0.5":   # every block's backward on half the samples, weight gradients on all their tokens
+            approx._apply_plan(with_ratios(approx.plan, approx._planning_module(), 0.5, 1.0))
     samples = interleaved_samples(steps, repetitions, warmup=3)
     speedup = paired_ratio(samples, "exact", "approx")
     approx_s = statistics.median(samples["approx"])
@@ -119,6 +127,8 @@ def run_case(name, make_model, inputs, loss_fn, budget, policy, repetitions):
     plan = approx.plan
     bound = 1.0 / (1.0 - share * (1.0 - plan.achieved))
     modes = sorted({f"{d.mode} {d.method}" for d in plan.approximated})
+    if plan.rows is not None:
+        modes = [f"rows {min(b.ratio for b in plan.rows.sampled):.2f} / tokens {plan.rows.token_ratio:.2f}"]
     return {"case": name, "policy": policy, "budget": budget, "achieved": plan.achieved,
             "exact_s": statistics.median(samples["exact"]), "approx_s": approx_s, "speedup": speedup,
             "flop_limit": 1.0 / plan.achieved, "share": share, "bound": bound, "of_bound": speedup / bound,
@@ -162,11 +172,11 @@ def cases(selected: set):
                    lambda y: F.cross_entropy(y, labels), policy)
     if "char_transformer" in selected:
         build, inputs, loss = _char_transformer()
-        for policy in ("measured", "forward"):
+        for policy in ("measured", "forward", "rows", "rows 0.5"):
             yield "char transformer (examples), d=256, 4 blocks, 16x128", build, inputs, loss, policy
     if "llama" in selected:
         build, inputs, loss = _llama_lm()
-        for policy in ("measured", "forward"):
+        for policy in ("measured", "forward", "rows", "rows 0.5"):
             yield "Llama LM (examples, HF), d=384, 6 blocks, 8x128", build, inputs, loss, policy
 
 

@@ -177,16 +177,19 @@ def run(task: tuple) -> dict:
     curve = [(0, workload.evaluate(model))]
     strengths = []
     start = time.perf_counter()
+    train_seconds = 0.0
     for step in range(1, steps + 1):
         x, y = next(batches)
+        began = time.perf_counter()
         train_step(workload, model, optimizer, scheduler, x, y)
+        train_seconds += time.perf_counter() - began
         state = getattr(model, "_fxapprox_state", None)
         sampling = state is not None and bool(state.plan.approximated) and state.enabled
         strengths.append(state.strength if sampling else 0.0)
         if step % every == 0 or step == steps:
             curve.append((step, workload.evaluate(model)))
     result = {"workload": name, "config": label, "seed": seed, "steps": steps, "curve": curve,
-              "strengths": strengths, "seconds": time.perf_counter() - start}
+              "strengths": strengths, "seconds": time.perf_counter() - start, "train_seconds": train_seconds}
     if hasattr(model, "plan"):
         plan = model.plan
         result.update(planned_flops=plan.achieved, executed_flops=model.executed_flops,
@@ -196,7 +199,16 @@ def run(task: tuple) -> dict:
                       modes=sorted({f"{d.mode} {d.method}" for d in plan.approximated}),
                       predicted_gain=plan.predicted_gain, auto_advice=plan.auto_advice,
                       errors=[(r.step, r.backward_error, r.output_error, r.model_error) for r in model.history],
-                      predicted=[(r.step, r.predicted_backward_error, r.predicted_output_error) for r in model.history])
+                      predicted=[(r.step, r.predicted_backward_error, r.predicted_output_error) for r in model.history],
+                      # the row family's variance checks: their cost, the ratios after each and what it measured
+                      check_seconds=[(r.step, r.check_seconds) for r in model.history if r.check_seconds is not None],
+                      row_checks=[(r.step, r.row_ratio, r.token_ratio, r.variance_ratio, r.noise_scale,
+                                   r.checked_ratio, r.checked_token_ratio) for r in model.history
+                                  if r.sgd_variance is not None],
+                      rows=None if plan.rows is None else {"ratio": min((b.ratio for b in plan.rows.sampled),
+                                                                        default=1.0),
+                                                           "token_ratio": plan.rows.token_ratio,
+                                                           "blocks": len(plan.rows.sampled)})
     return result
 
 
@@ -270,16 +282,23 @@ def measure_untailed(name: str, cache: Path, rounds: int) -> dict:
 # -- reading the runs ------------------------------------------------------------------------------------------------
 def time_in_exact_steps(result: dict, timing: dict) -> list[float]:
     """Cumulative time after each step (index 0: before the first), in exact steps: planning, each step at its
-    strength, one exact step per guard check."""
+    strength, and each check: one exact step per guard check; a row plan's variance check at its measured seconds,
+    converted at the run's own seconds per exact step (its training steps' seconds less the checks', over the steps'
+    cost in exact steps)."""
     label = result["config"]
     if label.startswith("exact"):
         return [float(i) for i in range(result["steps"] + 1)]
     fam = family(label)
     on, off = 1.0 / timing["ratios"][f"{fam} on"], 1.0 / timing["ratios"][f"{fam} off"]
-    checks = set(result.get("check_steps", ()))
+    costs = [off + strength * (on - off) for strength in result["strengths"]]
+    checks = {step: 1.0 for step in result.get("check_steps", ())}
+    measured = dict(result.get("check_seconds", ()))
+    if measured and result.get("train_seconds"):
+        per_step = (result["train_seconds"] - sum(measured.values())) / sum(costs)
+        checks.update({step: seconds / per_step for step, seconds in measured.items()})
     elapsed = [timing["planning"][fam] / timing["exact_step"]]
-    for step, strength in enumerate(result["strengths"], start=1):
-        elapsed.append(elapsed[-1] + off + strength * (on - off) + (1.0 if step in checks else 0.0))
+    for step, cost in enumerate(costs, start=1):
+        elapsed.append(elapsed[-1] + cost + checks.get(step, 0.0))
     return elapsed
 
 
@@ -395,7 +414,9 @@ def summarise(name: str, results: dict, timing: dict, seeds: list[int]) -> list[
             less_planning.append(100 * (final / exact_final_at(exact_runs, times[-1] - planning_steps) - 1))
             reach.append(time_to_reach(times, run_["curve"], target) / exact_reach)
             flops.append(run_.get("executed_flops", 1.0))
-            guard.append(len(run_.get("check_steps", ())) * timing["exact_step"])
+            steps_ = time_in_exact_steps(run_, timing)
+            plain = time_in_exact_steps({**run_, "check_steps": (), "check_seconds": ()}, timing)
+            guard.append((steps_[-1] - plain[-1]) * timing["exact_step"])
         first = results[(label, seeds[0])]
         fam = family(label)
         exact_label = label == "exact@1.0"
@@ -405,6 +426,15 @@ def summarise(name: str, results: dict, timing: dict, seeds: list[int]) -> list[
                                        f"{first.get('planned_flops', 1.0):.2f}")
         if first.get("noise"):
             note += "; noise scale " + ", ".join(f"{n:.2g}@{s}→{st:g}" for s, n, st in first["noise"][:4])
+        if first.get("rows"):
+            ends = [results[(label, seed)]["rows"] for seed in seeds]
+            note += (f"; rows: {first['rows']['blocks']} blocks, at the end samples "
+                     f"{statistics.fmean(e['ratio'] for e in ends):.2f} / tokens "
+                     f"{statistics.fmean(e['token_ratio'] for e in ends):.2f}")
+            variances = [c[3] for seed in seeds for c in results[(label, seed)].get("row_checks", ())[1:]
+                         if c[3] is not None]
+            if variances:
+                note += f", sampling variance {statistics.median(variances):.2g}× SGD's (median of checks)"
         rows.append(Row("exact" if exact_label else label, statistics.fmean(flops), speedup, equal_steps,
                         equal_time, less_planning, reach, 0.0 if exact_label else timing["planning"][fam], statistics.fmean(guard), note))
     return rows
@@ -459,6 +489,43 @@ def plot(name: str, results: dict, timing: dict, seeds: list[int]) -> Path | Non
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     path = DOCS / f"time_to_quality_{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_row_checks(all_results: dict, seeds: list[int]) -> Path | None:
+    """The row family's variance checks over training (seed ``seeds[0]``): the keep-ratios after each check (samples,
+    tokens) and the sampling variance it measured ÷ the minibatch's, for every run that sampled rows."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = [(name, label, results[(label, seeds[0])]) for name, results in all_results.items()
+            for label in ("auto", str(BUDGET)) if (label, seeds[0]) in results
+            and results[(label, seeds[0])] and results[(label, seeds[0])].get("row_checks")]
+    if not runs:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, label, run_ in runs:
+        checks = run_["row_checks"]
+        steps = [c[0] for c in checks]
+        line, = axes[0].plot(steps, [c[1] for c in checks], marker="o", markersize=3, label=f"{name} {label}: samples")
+        axes[0].plot(steps, [c[2] for c in checks], linestyle="--", color=line.get_color(), label="tokens")
+        axes[1].plot(steps, [c[3] for c in checks], marker="o", markersize=3, color=line.get_color(),
+                     label=f"{name} {label}")
+    axes[0].set(xlabel="training step", ylabel="keep-ratio after the check", title="ratios (solid: samples, dashed: "
+                "tokens)")
+    axes[1].set(xlabel="training step", ylabel="sampling variance ÷ minibatch variance", yscale="log",
+                title="variance measured at each check")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, ncol=2)
+    axes[1].legend(fontsize=7)
+    path = DOCS / "row_checks.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -556,6 +623,7 @@ def main() -> None:
             print_table(title, headers, rows)
     if args.calibrate:
         return
+    all_results = {}
     for group, names in (("tuning", TUNING), ("held out", HELD_OUT)):
         for name in names:
             if name not in args.workloads:
@@ -564,6 +632,7 @@ def main() -> None:
             for label in configs(name):
                 for seed in args.seeds:
                     results[(label, seed)] = load(DATA / f"{name}_{label}_{seed}.json")
+            all_results[name] = results
             timing = timings[name]
             rows = summarise(name, results, timing, args.seeds)
             title = (f"{name} ({group}; {PROTOCOL[name].steps} steps; exact step {timing['exact_step'] * 1000:.0f} ms, "
@@ -573,6 +642,7 @@ def main() -> None:
             if args.write:
                 plot(name, results, timing, args.seeds)
     if args.write:
+        plot_row_checks(all_results, args.seeds)
         markdown = "\n\n".join(f"**{title}**\n\n{markdown_table(headers, rows)}" for title, headers, rows in tables)
         heading = (f"`python benchmarks/time_to_quality.py --write` — {machine_line()} (runs one thread each, two at a "
                    f"time; step-time ratios measured alone). Δ loss: mean over seeds against exact, the seeds' range "

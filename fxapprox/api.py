@@ -31,6 +31,9 @@ from fxapprox.pipeline.analysis import analyse, measurement_sandbox
 from fxapprox.pipeline.compute_plan import make_compute_plan
 from fxapprox.pipeline.eager import approximate_eager
 from fxapprox.pipeline.memory_planning import choose_memory_plan, memory_planned, plan_saved_activations
+from fxapprox.pipeline.row_planning import forward_sampling_harmless, make_row_plan, row_planned
+from fxapprox.passes.analysis.row_blocks import find_row_blocks, row_blocks_of
+from fxapprox.passes.measurement.measure_rows import traced_block_runs
 from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.runtime.graph_pickle import reduce_graph_module
@@ -73,16 +76,31 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         analyse(self, inputs, progress=config.progress)
         rank_layers(self)
         enumerate_candidates(self, state.method, config)
-        if config.policy == "measured" and (state.budget == AUTO_BUDGET or state.budget < 1.0):
+        plan, why_not_rows = None, None
+        if row_planned(state, config):
             with measurement_sandbox(self):
-                measure_candidates(self, *inputs, config=config, progress=config.progress)
-        plan = make_compute_plan(self, inputs, state, config)
+                why_not_rows = forward_sampling_harmless(lambda: self.forward(*inputs), state, config)
+                if why_not_rows is None:
+                    find_row_blocks(self)
+                    runs, unrunnable = traced_block_runs(self, inputs)
+                    plan, why_not_rows = make_row_plan(self, state, config, runs, unrunnable)
+        if plan is None:
+            if config.policy == "measured" and (state.budget == AUTO_BUDGET or state.budget < 1.0):
+                with measurement_sandbox(self):
+                    measure_candidates(self, *inputs, config=config, progress=config.progress)
+            plan = make_compute_plan(self, inputs, state, config)
+            if why_not_rows and row_blocks_of(self):
+                plan = dataclasses.replace(plan, note=f"{plan.note}; row sampling not used: {why_not_rows}")
         untraced = tuple(u.to_dict() for u in self.meta.get(UNTRACED_KEY, ()))
         if untraced:
             plan = dataclasses.replace(plan, untraced=untraced)
         rewrite_sampled_ops(self, plan)
+        forward = (lambda: self.forward(*inputs))
+        if plan.rows is not None:
+            state.plan = plan
+            forward = (lambda: self._row_call(lambda: self.forward(*inputs)))
         with measurement_sandbox(self):
-            plan = self._measure_planned_step(plan, inputs, lambda: self.forward(*inputs))
+            plan = self._measure_planned_step(plan, inputs, forward)
         if memory_planned(state.memory_budget, config):
             plan = plan_saved_activations(self, inputs, plan, state, config, checkpoint_blocks=True)
         plan = self._with_schedule(plan)

@@ -37,7 +37,7 @@ ACTIVATION_BITS = (2, 4, 8, 32)
 class ApproxConfig:
     """Finer control over tracing, the compute plan, its pay-off and guard, saved activations and LSTM layers.
 
-    Every field is a keyword argument. They come in six sections, in this order in the code, in this list and
+    Every field is a keyword argument. They come in seven sections, in this order in the code, in this list and
     in docs/configuration.md.
 
     Tracing:
@@ -105,6 +105,29 @@ class ApproxConfig:
       policy chooses per layer; the other policies use ``"forward"``.
     - ``random_share``: share of top-k's kept pairs drawn at random instead, so no
       column starves (never picked, never updated); 0 gives pure top-k.
+
+    Row sampling (``docs/row_sampling.md``):
+
+    - ``row_sampling``: let the plan sample the rows of the backward: in each block that treats its samples
+      independently (a transformer layer), the backward keeps a share of the batch's samples, chosen by their
+      gradient norms and rescaled (unbiased), and runs on them only; the forward stays exact. A numeric budget is
+      spent this way where the blocks reach it; ``budget="auto"`` holds the sampling variance at ``variance_tau``
+      × the minibatch's. ``False``: the other families only.
+    - ``variance_tau``: ``budget="auto"``'s bound on each part of the sampling variance (rows; tokens of the weight
+      gradients), as a share of the minibatch's own gradient variance over the sampled blocks' parameters (VCAS's
+      0.025).
+    - ``row_check_every``: every this many training steps, measure the minibatch's gradient variance and the
+      sampling's on that step's batch, with its loss (``approx.history``); under ``budget="auto"`` the ratios
+      follow. The first training step is always checked: it calibrates the ratios (``"auto"`` trains it exactly).
+      ``None``: that check only.
+    - ``token_ratios``: the shares of a kept sample's tokens the linear layers' weight gradients may keep
+      (leverage-score sampling, unbiased); a numeric budget takes the one of least measured variance, ``"auto"``
+      goes no lower than the smallest.
+    - ``max_forward_kl``: a numeric budget keeps the forward exact (rows) where sampling the forward would move the
+      model's predictions on the example batch by more than this (``KL(exact ‖ sampled)``, nats per output row,
+      every linear layer's forward top-k at the budget's keep-ratio): a trained model's (fine-tuning) moves by ~1,
+      one at its initial weights by ~0.01. Below it, the forward may be sampled and the other families spend the
+      budget. ``None``: rows wherever the blocks reach the budget.
 
     Pay-off and the guard (``docs/loss_per_second.md``):
 
@@ -228,6 +251,12 @@ class ApproxConfig:
     min_k: int = 4
     mode: str | None = None
     random_share: float = 0.05
+    # -- row sampling ---------------------------------------------------------------------------------------------
+    row_sampling: bool = True
+    variance_tau: float = 0.025
+    row_check_every: int | None = 100
+    token_ratios: tuple[float, ...] = (1.0, 0.75, 0.5)
+    max_forward_kl: float | None = 0.1
     # -- pay-off and the guard ------------------------------------------------------------------------------------
     min_gain: float | None = 1.05
     backward_error_cost: float = 1.6
@@ -331,6 +360,19 @@ class ApproxConfig:
             if check_positive(name, value) > 1.0:
                 raise ValueError(f"{name} must be in (0, 1] (the share of the extra steps an exact tail leaves), "
                                  f"got {value!r}")
+        if not isinstance(self.row_sampling, bool):
+            raise TypeError(f"row_sampling must be a bool, got {self.row_sampling!r}")
+        check_positive("variance_tau", self.variance_tau)
+        if self.row_check_every is not None:
+            check_int("row_check_every", self.row_check_every, minimum=1)
+        if isinstance(self.token_ratios, (int, float)) or not isinstance(self.token_ratios, (tuple, list)) \
+                or not self.token_ratios:
+            raise TypeError(f"token_ratios must be a non-empty tuple of shares in (0, 1], got {self.token_ratios!r}")
+        for ratio in self.token_ratios:
+            check_fraction("token_ratios entries", ratio)
+        object.__setattr__(self, "token_ratios", tuple(sorted({float(r) for r in self.token_ratios}, reverse=True)))
+        if self.max_forward_kl is not None:
+            check_positive("max_forward_kl", self.max_forward_kl)
         if self.min_gain is not None:
             check_positive("min_gain", self.min_gain)
         if self.check_every is not None:

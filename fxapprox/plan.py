@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from fxapprox.row_plan import RowBlockDecision, RowPlan
+
 
 @dataclass(frozen=True)
 class LayerDecision:
@@ -254,6 +256,8 @@ class Plan:
     #: the schedule the plan runs under over training (``fxapprox.schedule.ScheduleRecord.to_dict``): its kind,
     #: total steps, exact tail and the whole run's predicted FLOPs; ``None``: every step at full strength
     schedule: dict | None = None
+    #: the row family (blocks whose backward keeps a share of the batch's samples), ``None`` when it is not used
+    rows: RowPlan | None = None
 
     @property
     def achieved(self) -> float:
@@ -299,7 +303,9 @@ class Plan:
         memory = None if self.memory is None else [(v.node, v.bits, v.recomputed_from) for v in self.memory.values]
         schedule = None if self.schedule is None else [self.schedule.get(k) for k in ("kind", "total_steps",
                                                                                      "exact_fraction")]
-        text = json.dumps([self.budget, decisions, memory] + ([schedule] if schedule else []), sort_keys=True)
+        rows = None if self.rows is None else [self.rows.token_ratio] + [(b.name, b.ratio) for b in self.rows.blocks]
+        text = json.dumps([self.budget, decisions, memory] + ([schedule] if schedule else [])
+                          + ([rows] if rows else []), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def decision(self, node_name: str) -> LayerDecision:
@@ -333,6 +339,7 @@ class Plan:
             "measured_speedup": self.measured_speedup,
             "check": self.check,
             "schedule": self.schedule,
+            "rows": None if self.rows is None else self.rows.to_dict(),
             "fingerprint": self.fingerprint(),
         }
 
@@ -352,4 +359,5 @@ class Plan:
                    predicted_steps=data.get("predicted_steps"), auto_advice=data.get("auto_advice"),
                    warnings=tuple(data.get("warnings", ())), lowest_reachable=data.get("lowest_reachable"),
                    measured_speedup=data.get("measured_speedup"), check=data.get("check"),
-                   schedule=data.get("schedule"), **fields)
+                   schedule=data.get("schedule"),
+                   rows=None if data.get("rows") is None else RowPlan.from_dict(data["rows"]), **fields)

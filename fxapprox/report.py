@@ -78,7 +78,29 @@ def _region_lines(plan: Plan) -> str:
             f"and exactly ({share:.1%} of the training FLOPs)")
 
 
+def _rows_text(rows) -> str:
+    """The row family's line: how many blocks, the ratios, what the last variance check measured."""
+    ratio = min((b.ratio for b in rows.sampled), default=1.0)
+    text = (f"{len(rows.sampled)} of {len(rows.blocks)} block(s) run their backward on {ratio:.0%} of the samples, "
+            f"weight gradients on {rows.token_ratio:.0%} of their tokens; forward exact")
+    if rows.tau is not None:
+        text += f"; budget auto: each part of the sampling variance held at tau={rows.tau:g} × the minibatch's"
+    if rows.variance_ratio is not None:
+        text += (f"; last check (step {rows.checked_step}): sampling variance {rows.variance_ratio:.3g} × the "
+                 f"minibatch's at {rows.checked_ratio:.2f} / {rows.checked_token_ratio:.2f}, noise scale B_noise/B "
+                 f"{rows.noise_scale:.3g}")
+    else:
+        text += "; the first training step calibrates the ratios"
+    refused = [b for b in rows.blocks if not b.sampled]
+    if refused:
+        text += "; not sampled: " + ", ".join(f"{b.name} ({b.reason})" for b in refused[:3])
+    return text
+
+
 def _check_summary(check) -> str:
+    if check.sgd_variance is not None:
+        return (f"sampling variance {check.variance_ratio:.3g} × the minibatch's at rows {check.checked_ratio:.2f} / "
+                f"tokens {check.checked_token_ratio:.2f}; {check.action}: {check.note}")
     predicted = "-" if check.predicted_error is None else f"{check.predicted_error:.3f}"
     return (f"model-gradient error measured {check.model_error:.3f} (one step; predicted {predicted}), backward "
             f"{check.backward_error:.3f} (predicted {check.predicted_backward_error:.3f}), output "
@@ -128,6 +150,8 @@ class Report:
                                + f", {_flops(plan.total_planned_flops)} of {_flops(plan.total_exact_flops)} per step",
                      None if plan.budget_met else "yellow"))
         rows.append(("sampled", _sampled_text(plan), "green" if plan.approximated else None))
+        if plan.rows is not None:
+            rows.append(("rows", _rows_text(plan.rows), "green" if plan.rows.sampled else None))
         if plan.schedule and plan.approximated and (plan.schedule["kind"] != "constant"
                                                     or plan.schedule["total_steps"] is not None):
             rows.append(("schedule", _schedule_text(plan.schedule), None))

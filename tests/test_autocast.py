@@ -99,7 +99,11 @@ def test_sparse_lstm_runs_in_the_autocast_dtype_like_nn_lstm(device, dtype):
     approx = ApproxLSTM.from_lstm(lstm, SamplingSpec("topk", 16, 32)).train()
     x = torch.randn(6, 3, 16, device=device, requires_grad=True)
     with torch.autocast(device, dtype=dtype):
-        exact_out = lstm(x)[0]
+        try:
+            exact_out = lstm(x)[0]
+        except RuntimeError as error:   # decided by what this machine can do, not by the one it was written on
+            pytest.skip(f"torch's own nn.LSTM does not run under {dtype} autocast here (the reference): "
+                        f"{str(error).splitlines()[0]}")
         out = approx(x)[0]
     assert out.dtype == exact_out.dtype == dtype
     # the forward is exact: the same values as nn.LSTM under autocast, to the autocast dtype's rounding

@@ -275,6 +275,24 @@ def select_wta_crs(scores: torch.Tensor, k: int, random_share: float = 0.0) -> t
     return _sample_sorted(weights, k, winners=True)
 
 
+@register_method("pps")
+def select_pps(scores: torch.Tensor, k: int, random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPS sampling (VCAS's "soft top-k", Xi et al., ICLR 2024): ``k`` distinct pairs, pair ``i`` kept with
+    ``π_i = min(1, c·w_i)``, ``Σ π = k`` (the largest kept surely, the rest in proportion to their weight),
+    scaled by ``1 / π_i``. For a fixed number of kept pairs these are the probabilities that minimise the
+    Horvitz–Thompson estimate's variance ``Σ (1/π_i − 1)·‖A_i‖²‖B_i‖²`` when the scores are ``‖A_i‖·‖B_i‖`` —
+    no uniform floor (CRS) and no winners chosen by a with-replacement bound (WTA-CRS). Pairs with ``w_i = 0``
+    are never drawn (they contribute nothing) unless fewer than ``k`` carry weight, when the spare slots get
+    scale 0. Unbiased; a fixed number of pairs; no host synchronisation off the CPU. ``random_share`` is
+    ignored."""
+    n = scores.numel()
+    if k >= n:
+        return torch.arange(n, device=scores.device), torch.ones(n, dtype=torch.float32, device=scores.device)
+    weights = scores.float()
+    weights = torch.where(weights.sum() > 0, weights, torch.ones_like(weights))   # all zero: uniform
+    return _sample_sorted(weights, k)
+
+
 def select_pairs(method: str, scores: torch.Tensor, k: int,
                  random_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Select ``k`` of the ``scores.numel()`` pairs with the registered ``method``."""

@@ -33,6 +33,9 @@ from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.pipeline.analysis import analyse, measurement_sandbox
 from fxapprox.pipeline.compute_plan import make_compute_plan
 from fxapprox.pipeline.memory_planning import memory_planned, plan_saved_activations
+from fxapprox.pipeline.row_planning import forward_sampling_harmless, make_row_plan, row_planned
+from fxapprox.passes.analysis.row_blocks import find_row_blocks, row_blocks_of
+from fxapprox.passes.measurement.measure_rows import eager_block_runs
 from fxapprox.pipeline.records import EAGER_SAVED_KEY, FLOPS_KEY, FlopCount, flops_of
 from fxapprox.plan import Plan
 from fxapprox.report import Report
@@ -77,14 +80,27 @@ class ApproxModel(ApproxRuntime):
                 node.meta[EAGER_SAVED_KEY] = eager_saved.get(node.target.path, 0)
         rank_layers(planning)
         enumerate_candidates(planning, state.method, config)
-        if config.policy == "measured" and (state.budget == AUTO_BUDGET or state.budget < 1.0):
-            with measurement_sandbox(planning):
-                measure_candidates(planning, *inputs, config=config, progress=config.progress)
-            if EXACT_STEP_KEY in planning.meta:   # the whole model's step, eager code included
-                with measurement_sandbox(self), self._exact_calls():
-                    planning.meta[EXACT_STEP_KEY] = cached_step_seconds(
-                        self, (args, kwargs), lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), config)
-        plan = make_compute_plan(planning, inputs, state, config)
+        plan, why_not_rows = None, None
+        if row_planned(state, config):
+            with measurement_sandbox(self), self._exact_calls():
+                why_not_rows = forward_sampling_harmless(
+                    lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), state, config)
+                if why_not_rows is None:
+                    find_row_blocks(planning)
+                    runs, unrunnable = eager_block_runs(self, planning, received)
+                    plan, why_not_rows = make_row_plan(planning, state, config, runs, unrunnable)
+        if plan is None:
+            if config.policy == "measured" and (state.budget == AUTO_BUDGET or state.budget < 1.0):
+                with measurement_sandbox(planning):
+                    measure_candidates(planning, *inputs, config=config, progress=config.progress)
+                if EXACT_STEP_KEY in planning.meta:   # the whole model's step, eager code included
+                    with measurement_sandbox(self), self._exact_calls():
+                        planning.meta[EXACT_STEP_KEY] = cached_step_seconds(
+                            self, (args, kwargs), lambda: super(ApproxRuntime, self).__call__(*args, **kwargs),
+                            config)
+            plan = make_compute_plan(planning, inputs, state, config)
+            if why_not_rows and row_blocks_of(planning):
+                plan = dataclasses.replace(plan, note=f"{plan.note}; row sampling not used: {why_not_rows}")
         plan = dataclasses.replace(plan, regions=tuple(r.to_dict() for r in capture.regions),
                                    untraced=tuple(dict(u) for u in state.untraced))
         rewrite_sampled_ops(planning, plan)
@@ -92,9 +108,12 @@ class ApproxModel(ApproxRuntime):
             plan = plan_saved_activations(planning, inputs, plan, state, config)
         install_regions(self, planning, capture)
         state.planning = planning
+        step = lambda: super(ApproxRuntime, self).__call__(*args, **kwargs)  # noqa: E731
+        if plan.rows is not None:
+            state.plan = plan
+            step = lambda: self._row_call(lambda: super(ApproxRuntime, self).__call__(*args, **kwargs))  # noqa: E731
         with measurement_sandbox(self), self._exact_calls():
-            plan = self._measure_planned_step(plan, (args, kwargs),
-                                              lambda: super(ApproxRuntime, self).__call__(*args, **kwargs))
+            plan = self._measure_planned_step(plan, (args, kwargs), step)
         plan = self._with_schedule(plan)
         state.plan = plan
         state.report = Report(plan, state.model_name, _shapes(args) + _shapes(kwargs.values()),

@@ -95,6 +95,25 @@ class CheckRecord:
     noise_scale: float | None = None
     #: the schedule's strength after this check (1: the plan, 0: exact)
     strength: float = 1.0
+    #: a row plan's variance check (``fxapprox.runtime.row_blocks``): the ratios after it (samples kept by the
+    #: blocks, tokens kept by their weight gradients), the minibatch's gradient variance and what sampling added
+    #: (rows, tokens), over the sampled blocks' parameters, measured at ``checked_ratio`` / ``checked_token_ratio``
+    row_ratio: float | None = None
+    token_ratio: float | None = None
+    sgd_variance: float | None = None
+    row_variance: float | None = None
+    token_variance: float | None = None
+    checked_ratio: float | None = None
+    checked_token_ratio: float | None = None
+    #: seconds the check itself took (a variance check: its forward and its exact and sampled passes)
+    check_seconds: float | None = None
+
+    @property
+    def variance_ratio(self) -> float | None:
+        """A variance check's sampling variance ÷ the minibatch's (``None`` for a gradient check)."""
+        if self.sgd_variance is None or not self.sgd_variance:
+            return None
+        return ((self.row_variance or 0.0) + (self.token_variance or 0.0)) / self.sgd_variance
 
     @property
     def speedup(self) -> float:
@@ -104,11 +123,12 @@ class CheckRecord:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["speedup"] = self.speedup
+        data["variance_ratio"] = self.variance_ratio
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "CheckRecord":
-        fields = {k: v for k, v in data.items() if k not in ("speedup", "layers")}
+        fields = {k: v for k, v in data.items() if k not in ("speedup", "layers", "variance_ratio")}
         return cls(layers=tuple(LayerCheck(**layer) for layer in data.get("layers", ())), **fields)
 
     def line(self) -> str:
@@ -116,6 +136,12 @@ class CheckRecord:
         from rich.markup import escape
 
         colour = {"kept": "green", "replanned": "yellow", "measured": "yellow"}.get(self.action, "white")
+        if self.sgd_variance is not None:
+            return (f"[bold]fxapprox variance check[/bold], step {self.step}: sampling variance "
+                    f"{self.variance_ratio:.3g} × the minibatch's at rows {self.checked_ratio:.2f} / tokens "
+                    f"{self.checked_token_ratio:.2f} (one draw's gradient error {self.model_error:.3f}, noise scale "
+                    f"B_noise/B {self.noise_scale:.3g}); now rows {self.row_ratio:.2f}, tokens {self.token_ratio:.2f}; "
+                    f"[{colour}]{self.action}[/{colour}]: {escape(self.note)}")
         return (f"[bold]fxapprox check[/bold], step {self.step}: model-gradient error {self.model_error:.3f} "
                 f"(backward {self.backward_error:.3f}, predicted {self.predicted_backward_error:.3f}; output "
                 f"{self.output_error:.3f}, predicted {self.predicted_output_error:.3f}); step "

@@ -35,6 +35,7 @@ from fxapprox.runtime.guard import (CheckRecord, CheckStep, LayerCheck, Training
                                     gradient_errors, owner_groups)
 from fxapprox.runtime.model_state import ModelState
 from fxapprox.runtime.modules import APPROX_MODULE_TYPES, SamplingSpec
+from fxapprox.runtime.row_blocks import RowRuntime
 from fxapprox.runtime.saved_activations import SavedActivationStats, compressing_saved_tensors
 from fxapprox.schedule import NoiseScale, ScheduleRecord, schedule_strength, step_fraction
 
@@ -52,7 +53,7 @@ def _shapes(values) -> list:
 
 
 
-class ApproxRuntime:
+class ApproxRuntime(RowRuntime):
     """Mixin: the training-time behaviour and public surface of an approximated model (see the module docstring).
     The class it is mixed into provides ``plan_from(*args, **kwargs)`` and ``_fxapprox_state``."""
 
@@ -69,6 +70,8 @@ class ApproxRuntime:
             return super().__call__(*args, **kwargs)
         if not torch.compiler.is_compiling():
             return self._training_call(args, kwargs)
+        if state.plan.rows is not None:
+            return self._rows_compiled_call(args, kwargs)
         if state.config.schedule_kind != "constant":
             # the schedule counts steps and sets keep-ratios outside the compiled graph (a graph break; a change
             # of strength recompiles); a constant plan compiles whole
@@ -103,9 +106,47 @@ class ApproxRuntime:
             self.replan_memory(*args, **kwargs)
         return state.training_steps
 
+    def _plain_call(self, args, kwargs):
+        """The module's own call (its hooks included), past planning and the guard."""
+        return super(ApproxRuntime, self).__call__(*args, **kwargs)
+
+    @torch._dynamo.disable
+    def _rows_compiled_call(self, args, kwargs):
+        # A row-sampled block chooses its rows in backward and replays itself on them: its training step runs
+        # eagerly under torch.compile (a graph break around the model's call); the rest of a compiled program
+        # compiles.
+        state = self._fxapprox_state
+        if not state.warned_compile:
+            state.warned_compile = True
+            warnings.warn("fxapprox: a row-sampled plan's training step runs eagerly under torch.compile (its blocks "
+                          "choose their rows in backward); evaluation compiles", RuntimeWarning, stacklevel=3)
+        return self._training_call(args, kwargs)
+
+    def _record_row_check(self, step: int, check, action: str, note: str) -> None:
+        """Append a row plan's variance check to ``history`` (and print it with ``check_verbose``)."""
+        state = self._fxapprox_state
+        rows = state.plan.rows
+        record = CheckRecord(step=step, model_error=check.draw_error, predicted_error=None,
+                             backward_error=check.draw_error, predicted_backward_error=0.0, output_error=0.0,
+                             predicted_output_error=0.0, calibrated_error=check.draw_error,
+                             alignment=check.draw_cosine, cosine=check.draw_cosine,
+                             exact_seconds=check.exact_seconds, approx_seconds=check.sampled_seconds,
+                             action=action, note=note, planned_flops=state.plan.achieved,
+                             noise_scale=check.noise_scale, strength=state.strength,
+                             row_ratio=min((b.ratio for b in rows.sampled), default=1.0),
+                             token_ratio=rows.token_ratio, sgd_variance=check.sgd_variance,
+                             row_variance=check.row_variance, token_variance=check.token_variance,
+                             checked_ratio=check.ratio, checked_token_ratio=check.token_ratio,
+                             check_seconds=check.seconds)
+        state.history.append(record)
+        if state.config.check_verbose:
+            _console().print(record.line(), highlight=False)
+
     def _training_call(self, args, kwargs):
         state = self._fxapprox_state
         step = self._begin_step(args, kwargs)
+        if state.plan.rows is not None:
+            return self._rows_training_call(step, args, kwargs)
         if state.saving is not None:
             def call():
                 return self._compressed_forward(args, kwargs)
@@ -385,6 +426,7 @@ class ApproxRuntime:
                 module.fxapprox_spec = dataclasses.replace(spec, k=spec.n)
         state.plan = plan
         state.report = Report(plan, state.model_name, state.report.input_shapes, state.history)
+        self._sync_rows()
 
     # -- the schedule over training -------------------------------------------------------------------
     def _with_schedule(self, plan: Plan) -> Plan:
@@ -521,6 +563,7 @@ class ApproxRuntime:
     def _set_sampling(self, enabled: bool) -> None:
         """Switch every sampled op on or off without changing ``set_approximate``'s setting (the planned step's
         timing compares the two)."""
+        self._fxapprox_state.rows_off = not enabled
         for module in self.modules():
             if isinstance(module, APPROX_MODULE_TYPES):
                 module.fxapprox_enabled = enabled
@@ -530,6 +573,8 @@ class ApproxRuntime:
         candidates and something is sampled."""
         config: ApproxConfig = self._fxapprox_state.config
         if not plan.approximated or config.policy != "measured" or config.min_speedup is None:
+            return plan
+        if plan.rows is not None and not plan.rows.saved_flops:   # "auto" before its first check: nothing sampled
             return plan
         speedup = planned_step_speedup(self, inputs, forward, self._set_sampling, plan.fingerprint(), config)
         return plan.with_measured_speedup(speedup)

@@ -61,12 +61,17 @@ class ModelState:
     checkpointed: Any = None
     #: the compiled-saving widths and unmarked training forward (``torch.compile``), and what they were built from
     compiled_saving: Any = None
+    #: a row plan's sampler (``fxapprox.ops.rows.RowSampler``, shared with its blocks), the traced model's row-sampled
+    #: training forward and what it was built from, and whether the planned step's timing switched sampling off
+    row_sampler: Any = None
+    row_forward: Any = None
+    rows_off: bool = False
 
     def portable(self) -> "ModelState":
         """A copy without the check in flight (its hooks belong to this module's tensors) and without the noise
         schedule's held gradients (the next pair of checks starts afresh), for copies and pickles."""
         return dataclasses.replace(self, check=None, in_reference=False, noise_pending=None, checkpointed=None,
-                                   compiled_saving=None)
+                                   compiled_saving=None, row_forward=None, rows_off=False)
 
 
 def check_loaded(body: dict) -> None:

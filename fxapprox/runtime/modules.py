@@ -20,12 +20,16 @@ from fxapprox._validate import check_choice, check_int, check_share
 from fxapprox.ops.conv import backward_sampled_conv2d, pair_scores_conv2d, sampled_conv2d
 from fxapprox.ops.linear import INPUT_SAVING, backward_sampled_linear, pair_scores_linear, sampled_linear
 from fxapprox.ops.lstm import LSTMBackward, sparse_backward_lstm_layer
+from fxapprox.ops.rows import row_linear
 from fxapprox.ops.sampling import METHODS
 
 #: where a layer is sampled: its forward product (all three GEMMs shrink), both backward GEMMs, or only the
 #: weight-gradient GEMM (forward and input gradient exact)
 MODES = ("forward", "backward", "weight_grad")
-
+#: the mode of a linear layer in a row-sampled block (``fxapprox.ops.rows``): forward exact and recorded, its
+#: backward on the rows the block keeps, its weight gradient over ``k / n`` of their tokens; the block's sampler
+#: decides at run time (``ApproxConfig`` does not offer it per layer: the row policy plans whole blocks)
+ROWS = "rows"
 
 @dataclass(frozen=True)
 class SamplingSpec:
@@ -49,7 +53,7 @@ class SamplingSpec:
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
-        check_choice("mode", self.mode, MODES)
+        check_choice("mode", self.mode, MODES + (ROWS,))
         check_int("n", self.n, minimum=1)
         check_int("k", self.k, minimum=1)
         if self.k > self.n:
@@ -79,8 +83,10 @@ class ApproxOp:
 
     @property
     def approximating(self) -> bool:
-        """True when the next forward call samples (training mode, switched on)."""
-        return self.training and self.fxapprox_enabled and self.fxapprox_spec.k < self.fxapprox_spec.n
+        """True when the next forward call samples (training mode, switched on); a row-sampled block's layer always
+        goes through :func:`~fxapprox.ops.rows.row_linear` (its block decides whether to sample)."""
+        spec = self.fxapprox_spec
+        return self.training and self.fxapprox_enabled and (spec.k < spec.n or spec.mode == ROWS)
 
     def pair_scores(self, *args) -> torch.Tensor:
         """The forward-sampling pair scores for the arguments the module is called with."""
@@ -94,6 +100,8 @@ class ApproxOp:
 
 
 def _linear(spec: SamplingSpec, x, weight, bias):
+    if spec.mode == ROWS:
+        return row_linear(x, weight, bias)
     if spec.mode != "forward":
         return backward_sampled_linear(x, weight, bias, spec.keep_ratio, spec.method, spec.random_share,
                                        sample_input_grad=spec.mode == "backward")

@@ -21,19 +21,21 @@ import torch.fx
 from fxapprox.runtime.checkpointing import CheckpointedBlock, call_module
 from fxapprox.runtime.saved_markers import compress_saved, recompute_saved
 
-__all__ = ["block_callable", "checkpointed_forward", "checkpointed_graph", "forward_of"]
+__all__ = ["block_callable", "block_graph", "block_span", "call_in_place", "checkpointed_forward", "checkpointed_graph",
+           "erase_span", "forward_of", "module_targets", "named_runner"]
 
 _MARKERS = (compress_saved, recompute_saved)
 
 
-def _runner(block: CheckpointedBlock, name: str):
+def named_runner(block, name: str):
+    """A function calling ``block`` under ``name`` (what the graph's code and tracebacks show)."""
     def run(*args):
         return block(*args)
     run.__name__ = run.__qualname__ = name
     return run
 
 
-def _block_graph(span: list[torch.fx.Node], members: set[str], modules: list[str], attributes: list[str],
+def block_graph(span: list[torch.fx.Node], members: set[str], modules: list[str], attributes: list[str],
                  inputs: list[str], outputs: list[str], markers: dict | None = None) -> torch.fx.Graph:
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
@@ -72,16 +74,60 @@ def _reaches_outside(node: torch.fx.Node, members: set[str]) -> bool:
     return True
 
 
-def _module_targets(by_name: dict, block) -> list[str]:
+def module_targets(by_name: dict, block) -> list[str]:
     return list(dict.fromkeys(by_name[n].target for n in block.nodes if by_name[n].op == "call_module"))
+
+
+def block_span(by_name: dict, nodes) -> list[torch.fx.Node]:
+    """The run of the graph from a block's first node to its last (other nodes inside it included)."""
+    first, last = by_name[nodes[0]], by_name[nodes[-1]]
+    span, node = [], first
+    while True:
+        span.append(node)
+        if node is last:
+            return span
+        node = node.next
+
+
+def call_in_place(graph: torch.fx.Graph, span: list, members: set[str], run, modules: list[str],
+                  attributes: list[str], input_nodes: list, outputs: list[str], by_name: dict):
+    """Insert ``run(*modules, *attributes, *inputs)`` after ``span`` (a block's run of nodes), hand each of its
+    ``outputs`` on through a ``getitem`` to every user outside the block; returns ``(last inserted node, {output
+    name: getitem node})``. The span itself stays (:func:`erase_span` removes it)."""
+    anchor, getters = span[-1], []
+    for target in modules:
+        with graph.inserting_after(anchor):
+            anchor = graph.get_attr(target)
+        getters.append(anchor)
+    with graph.inserting_after(anchor):
+        call = graph.call_function(run, (*getters, *(by_name[a] for a in attributes), *input_nodes))
+    anchor = call
+    results = {}
+    for index, name in enumerate(outputs):
+        with graph.inserting_after(anchor):
+            anchor = results[name] = graph.call_function(operator.getitem, (call, index))
+        results[name].meta = dict(by_name[name].meta)
+    for name in outputs:
+        original = by_name[name]
+        for user in list(original.users):
+            if user.name not in members and user not in span:
+                user.replace_input_with(original, results[name])
+    return anchor, results
+
+
+def erase_span(graph: torch.fx.Graph, span: list) -> None:
+    """Remove a block's nodes (but its ``get_attr`` nodes) once :func:`call_in_place` replaced them."""
+    for node in reversed(span):
+        if node.op != "get_attr":
+            graph.erase_node(node)
 
 
 def block_callable(gm: torch.fx.GraphModule, block) -> tuple[torch.fx.GraphModule, list[str]]:
     """``block`` of ``gm`` as a function of its modules (``module_targets`` of them, in order), its ``get_attr``
     values and its inputs, returning the tuple of its outputs; and ``module_targets``. For timing a block alone."""
     by_name = {node.name: node for node in gm.graph.nodes}
-    modules = _module_targets(by_name, block)
-    graph = _block_graph([by_name[n] for n in block.nodes], set(block.nodes), modules, list(block.attributes),
+    modules = module_targets(by_name, block)
+    graph = block_graph([by_name[n] for n in block.nodes], set(block.nodes), modules, list(block.attributes),
                          list(block.inputs), list(block.outputs))
     return torch.fx.GraphModule(torch.nn.Module(), graph, class_name="Block"), modules
 
@@ -99,13 +145,7 @@ def checkpointed_graph(gm: torch.fx.GraphModule, blocks, saving=None
         by_name = {node.name: node for node in graph.nodes}
         input_nodes = [handed_on.get(name) or by_name[name] for name in block.inputs]
         members = set(block.nodes)
-        first, last = by_name[block.nodes[0]], by_name[block.nodes[-1]]
-        span, node = [], first
-        while True:
-            span.append(node)
-            if node is last:
-                break
-            node = node.next
+        span = block_span(by_name, block.nodes)
         outputs = list(block.outputs)
         moved = []
         for node in span:
@@ -126,42 +166,23 @@ def checkpointed_graph(gm: torch.fx.GraphModule, blocks, saving=None
                 continue
             raise RuntimeError(f"fxapprox: node {node.name!r} runs inside block {block.name!r} but is not part of "
                                f"it; the block cannot be checkpointed")
-        modules = _module_targets(by_name, block)
+        modules = module_targets(by_name, block)
         rerun = {name: (bits, sign_exact) for name, bits, sign_exact in getattr(block, "recompute_values", ())}
-        block_graph = _block_graph(span, members, modules, list(block.attributes), [n.name for n in input_nodes],
-                                   outputs, rerun)
+        code = block_graph(span, members, modules, list(block.attributes), [n.name for n in input_nodes], outputs,
+                           rerun)
         compressed = getattr(block, "inputs_copied", False) or any(
             user.target in _MARKERS for node in input_nodes for user in node.users)
-        checkpointed = CheckpointedBlock(block_graph, block.name, compressed_inputs=compressed,
+        checkpointed = CheckpointedBlock(code, block.name, compressed_inputs=compressed,
                                          recompute_saving=saving if rerun else None)
         made[block.name] = checkpointed
-        run = _runner(checkpointed, "checkpointed_" + re.sub(r"\W", "_", block.name))
-        anchor, getters = last, []
-        for target in modules:
-            with graph.inserting_after(anchor):
-                anchor = graph.get_attr(target)
-            getters.append(anchor)
-        with graph.inserting_after(anchor):
-            call = graph.call_function(run, (*getters, *(by_name[a] for a in block.attributes),
-                                             *input_nodes))
-        anchor = call
-        results = {}
-        for index, name in enumerate(outputs):
-            with graph.inserting_after(anchor):
-                anchor = results[name] = graph.call_function(operator.getitem, (call, index))
-            results[name].meta = dict(by_name[name].meta)
+        run = named_runner(checkpointed, "checkpointed_" + re.sub(r"\W", "_", block.name))
+        anchor, results = call_in_place(graph, span, members, run, modules, list(block.attributes), input_nodes,
+                                        outputs, by_name)
         handed_on.update(results)
-        for name in outputs:
-            original = by_name[name]
-            for user in list(original.users):
-                if user.name not in members and user not in span:
-                    user.replace_input_with(original, results[name])
         for name, args, kwargs in moved:
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(compress_saved, (results[name], *args), kwargs)
-        for node in reversed(span):
-            if node.op != "get_attr":
-                graph.erase_node(node)
+        erase_span(graph, span)
     graph.lint()
     return graph, made
 

@@ -1,0 +1,415 @@
+"""Row sampling of the backward: a block's backward runs on the samples it keeps, and only on them.
+
+The forward of a block (a transformer layer, a residual block — anything that treats the samples of a batch
+independently) is exact and whole. Its backward starts from the gradient of its outputs, one row per sample:
+sample ``i`` is kept with probability ``π_i ∝ ‖dY_i‖`` (PPS water-filling, VCAS's "soft top-k": the strongest kept
+surely, ``Σ π = k``; :func:`fxapprox.ops.sampling.select_pps`) and its gradient scaled by ``1 / π_i``
+(Horvitz–Thompson: unbiased). Every op of the block then runs its backward on the ``k`` kept rows — gathered, not
+zero-filled — attention and normalisation included, and the layers' weight gradients may be sampled again over the
+kept rows' tokens (``token_ratio``, leverage scores ``‖dY_t‖·‖X_t‖``). A row dropped at one block carries no gradient
+into the blocks below it, which keep a subset of what is left (their ratios are never higher).
+
+How: the block's forward runs without autograd while its linear layers record their outputs (a :class:`RowTape`);
+in backward, once the rows are chosen, the block runs again on the kept rows with autograd, each linear layer
+handing back its recorded output for those rows instead of computing it (:class:`_ReplayLinear`: no GEMM) and
+computing its input and weight gradients from the replayed input in its backward. So the forward's GEMMs are not
+repeated; the block's cheap ops (norms, activations, attention) are, on the kept rows only. A block that mixes
+samples (BatchNorm in training), draws random numbers (dropout) or whose rows are not its inputs' first dimension
+cannot be sampled this way; planning probes each block for that (``fxapprox.passes.measurement.measure_rows``).
+
+Per-token dropping would not shrink attention's backward: every kept query still reads every key and value of its
+sequence, so the sequences' attention backward stays whole; dropping whole samples removes their attention too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fxapprox.ops._autocast import cast_like_autocast
+from fxapprox.ops.linear import backward_sampled_linear, pair_scores, sampled_rows_product, squared_norms
+from fxapprox.ops.sampling import inclusion_probabilities, rounded_count, select_pairs
+
+__all__ = ["RowSampledBlock", "RowSampler", "RowTape", "TOKEN_METHOD", "batch_of", "kept_rows_count", "row_linear",
+           "row_norms", "row_sampled_call", "sampling"]
+
+#: how a kept row's tokens are sampled for a weight gradient (``token_ratio < 1``): PPS on leverage scores
+TOKEN_METHOD = "pps"
+#: how rows are chosen: PPS on their gradient norms (the minimum-variance fixed-size choice)
+ROW_METHOD = "pps"
+
+
+@dataclass
+class RowSampler:
+    """What the row-sampled blocks of one model do on the next backward: shared by every block, mutable.
+
+    ``ratios``: the keep-ratio (a share of the batch's samples) of each block by name; a block not named keeps
+    every row. ``token_ratio``: the share of the kept rows' tokens each linear layer's weight gradient keeps
+    (1: exact). ``given_rows``: keep exactly these rows, unscaled, in every block (the variance measurement's
+    group passes: the exact gradient of part of the batch); ``None``: sample. ``record``: a dict the next
+    backward fills with measurements (the token sampling's variance), or ``None``.
+    """
+
+    ratios: dict = field(default_factory=dict)
+    token_ratio: float = 1.0
+    given_rows: torch.Tensor | None = None
+    record: dict | None = None
+    #: ``False``: every block runs exactly (evaluation, the guard's reference pass)
+    active: bool = True
+    #: run every block through the row-sampled call even where it keeps every row (a variance check's forward:
+    #: its passes then choose the rows)
+    force: bool = False
+
+    def kept_rows(self, name: str, weights: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(rows, scale)`` for block ``name`` from its rows' gradient norms ``weights``; ``(None, None)``: all."""
+        batch = weights.numel()
+        if self.given_rows is not None:
+            return self.given_rows.to(weights.device), None
+        k = kept_rows_count(self.ratios.get(name, 1.0), batch)
+        if k >= batch:
+            return None, None
+        return select_pairs(ROW_METHOD, weights, k)
+
+
+def kept_rows_count(ratio: float, batch: int) -> int:
+    """How many of ``batch`` samples a block keeps at ``ratio``: ``ratio · batch`` in expectation — its floor, plus
+    one with the probability of the fraction (a ratio of 0.98 of 16 samples keeps all 16 most steps and 15 the
+    others), so that a ratio between two counts costs and saves what it says; at least 1. Each draw's inclusion
+    probabilities sum to its own count, so every draw is unbiased."""
+    if ratio >= 1.0 or batch <= 1:
+        return batch
+    expected = ratio * batch
+    whole = int(expected)
+    if torch.rand(()).item() < expected - whole:
+        whole += 1
+    return max(1, min(batch, whole))
+
+
+class RowTape:
+    """The outputs of a block's linear layers, recorded in call order by its forward, handed back by its replay
+    for the kept rows (see the module docstring)."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.outputs: list[torch.Tensor] = []
+        self.rows: torch.Tensor | None = None     # the replay's kept rows (None: every row)
+        self.position = 0
+        self.recording = True
+        self.token_ratio = 1.0
+        self.record: dict | None = None
+        self.versions: list[int] = []
+
+    def add(self, out: torch.Tensor) -> None:
+        """Record a linear layer's output (and its version: a change in place after this is an error)."""
+        self.outputs.append(out)
+        self.versions.append(out._version)
+
+    def replay(self, rows: torch.Tensor | None, token_ratio: float, record: dict | None) -> None:
+        self.rows, self.position, self.recording = rows, 0, False
+        self.token_ratio, self.record = token_ratio, record
+
+    def next_output(self, lead_shape: torch.Size) -> torch.Tensor:
+        """The next recorded output, gathered at the kept rows; its leading shape must be ``lead_shape`` (the
+        replayed layer's input's): a block whose replay does not retrace its forward is an error, never a silently
+        wrong gradient."""
+        if self.position >= len(self.outputs):
+            raise RuntimeError("fxapprox: a row-sampled block called more linear layers in its replay on the kept "
+                               "rows than in its forward; its code must not depend on the batch size")
+        out = self.outputs[self.position]
+        if out._version != self.versions[self.position]:
+            raise RuntimeError("fxapprox: a row-sampled block changed a linear layer's output in place after its "
+                               "forward; its replay cannot hand that output back")
+        self.position += 1
+        # a gathered copy, or the recorded output itself detached (a new tensor: a replay's autograd history never
+        # sticks to what the tape keeps for the next one)
+        out = gather_rows(out, self.rows, self.batch) if self.rows is not None else out.detach()
+        if out.shape[:-1] != lead_shape:
+            raise RuntimeError(f"fxapprox: a row-sampled block's linear layer got input rows {tuple(lead_shape)} in "
+                               f"its replay but produced {tuple(out.shape[:-1])} for them in its forward; the block's "
+                               "samples are not the first dimension of what its layers see")
+        return out
+
+
+def gather_rows(tensor: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """The kept samples' part of ``tensor``: rows of its first dimension when that is the batch, or the kept
+    samples' blocks of it when a layer sees the batch flattened with its tokens (``batch · m`` rows, sample-major)."""
+    if tensor.shape[0] == batch:
+        return tensor.index_select(0, rows)
+    per_sample = tensor.shape[0] // batch
+    if per_sample * batch != tensor.shape[0]:
+        raise RuntimeError(f"fxapprox: a row-sampled block's value has {tensor.shape[0]} rows, not a multiple of its "
+                           f"batch of {batch} samples")
+    index = (rows.unsqueeze(1) * per_sample + torch.arange(per_sample, device=rows.device)).reshape(-1)
+    return tensor.index_select(0, index)
+
+
+_TAPE: contextvars.ContextVar[RowTape | None] = contextvars.ContextVar("fxapprox_row_tape", default=None)
+
+
+@contextlib.contextmanager
+def _tape(tape: RowTape | None):
+    token = _TAPE.set(tape)
+    try:
+        yield tape
+    finally:
+        _TAPE.reset(token)
+
+
+class _ReplayLinear(torch.autograd.Function):
+    """A linear layer in a block's replay: its forward hands back the output recorded for the kept rows (no
+    GEMM); its backward computes ``dX = dY·W`` and ``dW = dYᵀ·X`` from the replayed input ``X`` of those rows, the
+    weight gradient over ``token_ratio`` of their tokens (PPS on ``‖dY_t‖·‖X_t‖``, scaled: unbiased)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tape):
+        out = tape.next_output(x.shape[:-1])
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.token_ratio, ctx.record = tape.token_ratio, tape.record
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        grad2d = grad_out.reshape(-1, grad_out.shape[-1])
+        x2d = x.reshape(-1, x.shape[-1])
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad2d @ weight.to(grad2d.dtype)).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            ratio = ctx.token_ratio
+            if ratio < 1.0 and grad2d.shape[0] > 1:
+                if ctx.record is not None:
+                    _record_token_variance(ctx.record, grad2d, x2d, ratio)
+                grad_w = sampled_rows_product(grad2d, x2d.to(grad2d.dtype), ratio, TOKEN_METHOD)
+            else:
+                grad_w = grad2d.t() @ x2d.to(grad2d.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad2d.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def _record_token_variance(record: dict, grad2d: torch.Tensor, x2d: torch.Tensor, ratio: float) -> None:
+    """Add the token sampling's variance ``Σ_t (1/π_t − 1)·‖dY_t‖²‖X_t‖²`` (Horvitz–Thompson) to ``record``."""
+    with torch.no_grad():
+        products = squared_norms(grad2d, 1) * squared_norms(x2d, 1)
+        probabilities = inclusion_probabilities(pair_scores(squared_norms(x2d, 1), squared_norms(grad2d, 1)),
+                                                rounded_count(ratio, grad2d.shape[0]))
+        spread = torch.where(probabilities > 0, (1.0 / probabilities.clamp_min(1e-12) - 1.0) * products, 0.0)
+        record["token_variance"] = record.get("token_variance", 0.0) + float(spread.sum())
+
+
+_TOKENS: contextvars.ContextVar[float | None] = contextvars.ContextVar("fxapprox_row_tokens", default=None)
+
+
+@contextlib.contextmanager
+def _token_sampling(ratio: float):
+    token = _TOKENS.set(ratio)
+    try:
+        yield
+    finally:
+        _TOKENS.reset(token)
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as a linear layer of a row-sampled block computes it: exactly, recorded in
+    the block's forward, handed back (:class:`_ReplayLinear`) in its replay; in a block that keeps every row this
+    step, exactly with its weight gradient over the token share in force (``backward_sampled_linear``, PPS);
+    outside a row-sampled block's run (evaluation) plain ``F.linear``."""
+    tape = _TAPE.get()
+    if tape is None:
+        tokens = _TOKENS.get()
+        if tokens is not None and torch.is_grad_enabled():
+            return backward_sampled_linear(x, weight, bias, tokens, TOKEN_METHOD, sample_input_grad=False)
+        return F.linear(x, weight, bias)
+    if tape.recording:
+        out = F.linear(x, weight, bias)
+        tape.add(out)
+        return out
+    x, weight, bias = cast_like_autocast(x, weight, bias)
+    return _ReplayLinear.apply(x, weight, bias, tape)
+
+
+def row_norms(grads, batch: int) -> torch.Tensor:
+    """Each sample's gradient norm over all of a block's outputs (``None`` gradients skipped), fp32 ``(batch,)``."""
+    total = None
+    for grad in grads:
+        if grad is None:
+            continue
+        part = squared_norms(grad.reshape(batch, -1), 1)
+        total = part if total is None else total + part
+    if total is None:
+        return torch.zeros(batch)
+    return total.sqrt_()
+
+
+@dataclass
+class _Call:
+    """One call of a row-sampled block: how to run it on its flat tensors and put its input back together
+    (``out_spec``: its output's, set by the forward)."""
+
+    name: str
+    sampler: RowSampler
+    run: Callable            # run(*tensors) -> the block's output pytree
+    spec: object             # the input pytree's spec
+    leaves: tuple            # the input pytree's leaves: non-tensors as they are, tensors as None
+    batched: tuple           # per tensor: whether its first dimension is the batch
+    n_tensors: int
+    autocast: tuple          # (device, dtype) regions the forward ran under
+    out_spec: object = None
+
+
+def _unflatten(call: _Call, tensors) -> tuple:
+    position = iter(tensors)
+    leaves = [next(position) if leaf is None else leaf for leaf in call.leaves]
+    return tree_unflatten(leaves, call.spec)
+
+
+class _RowBlockFunction(torch.autograd.Function):
+    """A row-sampled block: forward exact and recorded, backward replayed on the kept rows (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, *flat):
+        tensors = flat[:call.n_tensors]
+        batch = next(t.shape[0] for t, b in zip(tensors, call.batched) if b)
+        tape = RowTape(batch)
+        with _tape(tape):
+            output = call.run(*tensors)
+        outputs, call.out_spec = tree_flatten(output)
+        if not all(isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == batch for o in outputs):
+            raise RuntimeError(f"fxapprox: row-sampled block {call.name!r} returned something other than tensors "
+                               f"whose first dimension is its batch of {batch}")
+        ctx.call, ctx.tape, ctx.batch = call, tape, batch
+        ctx.save_for_backward(*flat)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call: _Call = ctx.call
+        saved = ctx.saved_tensors
+        tensors, params = saved[:call.n_tensors], saved[call.n_tensors:]
+        batch, sampler = ctx.batch, call.sampler
+        present = [g for g in grads if g is not None]
+        if not present:
+            return (None,) * (1 + len(saved))
+        rows, scale = sampler.kept_rows(call.name, row_norms(present, batch))
+        ctx.tape.replay(rows, sampler.token_ratio, sampler.record)
+        replayed = []
+        for tensor, batched in zip(tensors, call.batched):
+            value = gather_rows(tensor, rows, batch) if (batched and rows is not None) else tensor
+            replayed.append(value.detach().requires_grad_(tensor.requires_grad))
+        with torch.enable_grad(), _tape(ctx.tape), _autocast(call.autocast):
+            # the block gets views of the leaves, not the leaves: module hooks that watch their inputs' gradients
+            # (FlopCounterMode's module tracker) cannot follow a leaf inside autograd.grad
+            outputs = tree_flatten(call.run(*(t.view_as(t) if t.requires_grad else t for t in replayed)))[0]
+        pairs = []
+        for output, grad in zip(outputs, grads):
+            if grad is None or not output.requires_grad:
+                continue
+            if rows is not None:
+                grad = grad.index_select(0, rows)
+                if scale is not None:
+                    grad = grad * scale.to(grad.dtype).view(-1, *[1] * (grad.dim() - 1))
+            pairs.append((output, grad))
+        wanted = [t for t in replayed if t.requires_grad] + [p for p in params if p.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                     if pairs and wanted else [None] * len(wanted))
+        input_grads = []
+        for tensor, value, batched in zip(tensors, replayed, call.batched):
+            grad = next(found) if value.requires_grad else None
+            if grad is not None and batched and rows is not None:
+                grad = grad.new_zeros(tensor.shape).index_copy_(0, rows, grad)
+            input_grads.append(grad)
+        param_grads = [next(found) if p.requires_grad else None for p in params]
+        return (None, *input_grads, *param_grads)
+
+
+@contextlib.contextmanager
+def _autocast(regions):
+    with contextlib.ExitStack() as stack:
+        for device, dtype in regions:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+def row_sampled_call(name: str, sampler: RowSampler, run: Callable, args: tuple, kwargs: dict, params,
+                     batch: int):
+    """Call ``run(*args, **kwargs)`` (a block) with its backward row-sampled by ``sampler`` under ``name``.
+
+    ``params``: the parameters the block uses (their gradients come back through the call); ``batch``: the
+    number of samples — every tensor argument whose first dimension has this size is a per-sample input,
+    gathered at the kept rows in the replay; others are passed whole (their gradients, where they need one, are
+    the kept rows' scaled contributions: unbiased too).
+    """
+    if batch <= 1:
+        return run(*args, **kwargs)   # an empty batch or one sample: nothing to choose among
+    if not sampler.force and sampler.ratios.get(name, 1.0) >= 1.0:
+        if sampler.token_ratio >= 1.0:
+            return run(*args, **kwargs)   # every row and token kept: the plain block, nothing to replay
+        with _token_sampling(sampler.token_ratio):   # every row kept: the block as it is, its weight gradients sampled
+            return run(*args, **kwargs)
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    batched = tuple(t.dim() > 0 and t.shape[0] == batch for t in tensors)
+    if not any(batched):
+        return run(*args, **kwargs)
+    regions = tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                    if torch.is_autocast_enabled(device))
+
+    def unflat_run(*flat_tensors):
+        call_args, call_kwargs = _unflatten(call, flat_tensors)
+        return run(*call_args, **call_kwargs)
+
+    call = _Call(name=name, sampler=sampler, run=unflat_run, spec=spec,
+                 leaves=tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves), batched=batched,
+                 n_tensors=len(tensors), autocast=regions)
+    outputs = _RowBlockFunction.apply(call, *tensors, *(p for p in params if p.requires_grad))
+    return tree_unflatten(list(outputs), call.out_spec)
+
+
+def sampling(sampler: RowSampler | None) -> bool:
+    """Whether a row block samples now: a sampler in force and autograd recording."""
+    return sampler is not None and sampler.active and torch.is_grad_enabled()
+
+
+def batch_of(values) -> int:
+    """The batch: the first dimension of the first tensor argument with at least two dimensions."""
+    return next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), 0)
+
+
+class RowSampledBlock(nn.Module):
+    """A traced block run as one unit whose backward is row-sampled (``fxapprox.passes.rewrite_rows``).
+
+    ``code`` takes the block's modules (``n_modules``), its ``get_attr`` values (``n_attributes``) and its
+    activations, and returns its outputs as a tuple. It owns nothing: modules and parameters arrive as arguments.
+    """
+
+    def __init__(self, graph: torch.fx.Graph, block: str, sampler: RowSampler, n_modules: int,
+                 n_attributes: int) -> None:
+        super().__init__()
+        self.block = block
+        self.n_modules, self.n_attributes = n_modules, n_attributes
+        self.code = torch.fx.GraphModule(nn.Module(), graph, class_name="Block")
+        self.__dict__["sampler"] = sampler   # shared with the model, not a submodule
+
+    def forward(self, *inputs):
+        if not sampling(self.sampler):
+            return self.code(*inputs)
+        modules = inputs[:self.n_modules]
+        attributes = inputs[self.n_modules:self.n_modules + self.n_attributes]
+        params = [p for m in modules for p in m.parameters()] + [a for a in attributes if isinstance(a, nn.Parameter)]
+        batch = batch_of(inputs[self.n_modules + self.n_attributes:])
+        return row_sampled_call(self.block, self.sampler, self.code, inputs, {}, params, batch)
+
+    def extra_repr(self) -> str:
+        return f"block={self.block!r}"

@@ -1,0 +1,200 @@
+"""Measurement — whether each row block (``fxapprox.passes.analysis.row_blocks``) may be row-sampled, probed on
+the example batch.
+
+Row sampling replays a block on the samples it keeps (``fxapprox.ops.rows``). That gives the gradient of the kept
+samples only when the block treats its samples independently and computes the same thing twice. Each block is
+run on the example batch in training mode, twice, and once on a subset of its samples; it qualifies when
+
+* its outputs are tensors whose first dimension is the batch (the rows sampled),
+* the two runs agree (no dropout or other random draws: the replay would draw differently), and
+* the subset's outputs are the full run's outputs for those samples (no BatchNorm in training, no reduction over
+  the batch: the kept rows' gradient would not be theirs).
+
+A block that fails gets the reason as its blocker, which the plan and the report show. Buffers, RNG and modes are
+left as they were (the probes run in the analysis sandbox).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxapprox.passes.analysis.row_blocks import ROW_BLOCKS_KEY, RowBlock, row_blocks_of, with_blocker
+
+__all__ = ["BlockRun", "eager_block_runs", "forward_disruption", "probe_row_block", "probe_row_blocks",
+           "traced_block_runs"]
+
+#: relative tolerance of the subset probe (float sums in another order differ by rounding only)
+_RTOL = 1e-4
+
+
+@dataclass
+class BlockRun:
+    """How to run one block on the example batch: ``run(*args, **kwargs)`` and the batch size."""
+
+    run: object
+    args: tuple
+    kwargs: dict
+    batch: int
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    scale = float(b.detach().abs().max()) if b.numel() else 0.0
+    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=_RTOL, atol=_RTOL * max(scale, 1e-6)))
+
+
+def probe_row_block(run: BlockRun) -> str | None:
+    """Why the block ``run`` runs cannot be row-sampled, or ``None`` (see the module docstring)."""
+    batch = run.batch
+    if batch < 2:
+        return f"a batch of {batch} sample: nothing to sample"
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randperm(batch, generator=generator)[: max(1, batch // 2)].sort().values
+
+    def gathered(value):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            return value.index_select(0, rows.to(value.device))
+        return value
+
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        first = tree_flatten(run.run(*run.args, **run.kwargs))[0]
+        torch.manual_seed(12)
+        again = tree_flatten(run.run(*run.args, **run.kwargs))[0]
+        if not first or not all(isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == batch for o in first):
+            return "returns something other than tensors whose first dimension is the batch"
+        if not all(_close(a, b) for a, b in zip(again, first)):
+            return ("draws random numbers in training (dropout): its replay on the kept rows would draw other ones; "
+                    "set the dropout to 0 to sample its rows")
+        torch.manual_seed(11)
+        subset = tree_flatten(run.run(*tree_map(gathered, run.args), **tree_map(gathered, run.kwargs)))[0]
+    if len(subset) != len(first) or not all(_close(s, f.index_select(0, rows.to(f.device)))
+                                            for s, f in zip(subset, first)):
+        return ("mixes its samples (BatchNorm in training, a reduction over the batch): a subset of the samples "
+                "does not give their outputs")
+    return None
+
+
+def probe_row_blocks(gm: torch.fx.GraphModule, runs: dict[str, BlockRun], unrunnable: dict[str, str]) -> list[RowBlock]:
+    """Probe every row block of ``gm`` (:func:`probe_row_block` on ``runs[name]``; ``unrunnable[name]``: why a
+    block cannot be called as one unit) and write the blockers into ``gm.meta``."""
+    blocks = []
+    for block in row_blocks_of(gm):
+        reason = unrunnable.get(block.name)
+        if reason is None and block.name in runs:
+            reason = probe_row_block(runs[block.name])
+        blocks.append(with_blocker(block, reason))
+    gm.meta[ROW_BLOCKS_KEY] = blocks
+    return blocks
+
+
+class _Values(torch.fx.Interpreter):
+    """Runs the graph and keeps the values of the nodes asked for."""
+
+    def __init__(self, gm, wanted: set[str]) -> None:
+        super().__init__(gm)
+        self.wanted, self.values = wanted, {}
+
+    def run_node(self, n):
+        value = super().run_node(n)
+        if n.name in self.wanted:
+            self.values[n.name] = value
+        return value
+
+
+def traced_block_runs(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict[str, BlockRun], dict[str, str]]:
+    """``(runs, unrunnable)`` for the row blocks of a traced model: each contiguous block as a function of its
+    inputs (``fxapprox.passes.rewrite_rows.block_unit``), called on the values the example batch gives them."""
+    from fxapprox.passes.rewrite_rows import block_unit
+
+    runs, unrunnable, units = {}, {}, {}
+    for block in row_blocks_of(gm):
+        if not block.contiguous:
+            unrunnable[block.name] = "its nodes are not one contiguous run of the graph"
+            continue
+        units[block.name] = block_unit(gm, block)
+    wanted = {name for unit in units.values() for name in unit.inputs}
+    interpreter = _Values(gm, wanted)
+    with torch.no_grad():
+        interpreter.run(*inputs)
+    for name, unit in units.items():
+        args = unit.call_args(gm, [interpreter.values[i] for i in unit.inputs])
+        batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2), 0)
+        runs[name] = BlockRun(unit.code, args, {}, batch)
+    return runs, unrunnable
+
+
+def eager_block_runs(model, gm: torch.fx.GraphModule, received: dict) -> tuple[dict[str, BlockRun], dict[str, str]]:
+    """``(runs, unrunnable)`` for the row blocks of a model captured region by region (``gm`` its stitched
+    planning graph): each block's module, called on what it received in the recorded step
+    (``fxapprox.passes.capture.regions.record_calls``)."""
+    runs, unrunnable = {}, {}
+    for block in row_blocks_of(gm):
+        record = received.get(block.name)
+        if record is None:
+            unrunnable[block.name] = "its module was not called in the recorded step"
+            continue
+        if record.calls != 1:
+            unrunnable[block.name] = f"its module is called {record.calls} times in one forward"
+            continue
+        values = list(record.args) + list(record.kwargs.values())
+        batch = next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), 0)
+        runs[block.name] = BlockRun(model.get_submodule(block.name), tuple(record.args), dict(record.kwargs), batch)
+    return runs, unrunnable
+
+
+class _SampledForwards(TorchFunctionMode):
+    """Every ``F.linear`` on a parameter weight with at least ``min_channels`` inputs computed by forward top-k,
+    keeping ``keep_ratio`` of its input features (the probe of :func:`forward_disruption`)."""
+
+    def __init__(self, keep_ratio: float, min_channels: int) -> None:
+        super().__init__()
+        self.keep_ratio, self.min_channels = keep_ratio, min_channels
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from fxapprox.op_kinds.registry import LINEAR_TARGETS, linear_call_args
+        from fxapprox.ops.linear import sampled_linear
+        from fxapprox.ops.sampling import kept_count
+
+        kwargs = kwargs or {}
+        if func in LINEAR_TARGETS:
+            x, weight, bias = linear_call_args(tuple(args), dict(kwargs))
+            if isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[1] >= self.min_channels:
+                return sampled_linear(x, weight, bias, kept_count(self.keep_ratio, weight.shape[1]), "topk")
+        return func(*args, **kwargs)
+
+
+def _logits(output):
+    """The model's predictions: a ``logits`` entry where the output has one (Hugging Face's, beside its loss),
+    else its first tensor."""
+    from fxapprox.pipeline._projection import first_tensor
+
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        if "logits" in output.keys():
+            return output["logits"]
+    return first_tensor(output)
+
+
+def forward_disruption(call, keep_ratio: float, min_channels: int) -> float | None:
+    """How much sampling the forward changes what the model predicts: ``KL(p_exact ‖ p_sampled)`` of the softmax of
+    its outputs (nats, mean over the output's rows), every linear layer's forward top-k at ``keep_ratio``
+    (``call()`` runs the model on the example batch, in training mode). Near 0 for a model at its initial weights
+    (its predictions are near-uniform whatever the forward does); large for a trained one (its confident predictions
+    move). ``None`` when the output is not a floating tensor of scores (last dimension at least 2)."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        exact = _logits(call())
+        torch.manual_seed(0)
+        with _SampledForwards(keep_ratio, min_channels):
+            sampled = _logits(call())
+    if not (isinstance(exact, torch.Tensor) and exact.is_floating_point() and exact.dim() >= 1
+            and exact.shape[-1] >= 2 and isinstance(sampled, torch.Tensor) and sampled.shape == exact.shape):
+        return None
+    reference, moved = F.log_softmax(exact.float(), -1), F.log_softmax(sampled.float(), -1)
+    return float((reference.exp() * (reference - moved)).sum(-1).mean())
