@@ -42,6 +42,12 @@ class RowPlan:
     row_variance: float | None = None
     token_variance: float | None = None
     noise_scale: float | None = None
+    #: the token ratio below which sampling a weight gradient's tokens is faster than computing it whole, measured on
+    #: this machine at the blocks' largest linear layer (``None``: not measured); a higher token ratio is not used
+    token_breakeven: float | None = None
+    #: the keep-ratio below which replaying a block on its kept rows costs fewer FLOPs than running it whole (the
+    #: replay repeats its cheap ops' forward); a higher keep-ratio is not used
+    row_breakeven: float | None = None
     #: a numeric budget: the ``[token ratio, keep-ratio]`` pairs that spend it, among which the first variance check
     #: takes the one of least measured variance
     options: tuple = ()

@@ -59,12 +59,14 @@ def make_row_plan(gm: torch.fx.GraphModule, state: ModelState, config: ApproxCon
         return None, "no block qualifies for row sampling"
     total = sum(train_flops(n) for n in gm.graph.nodes)
     auto = state.budget == AUTO_BUDGET
+    breakeven = _token_breakeven(gm, blocks, config) if min(config.token_ratios) < 1.0 else 1.0
+    tokens = [t for t in config.token_ratios if t >= 1.0 or t <= breakeven] or [1.0]
     if auto:
         ratio, token = 1.0, 1.0
         options = {}
     else:
         options = {}
-        for token in config.token_ratios:
+        for token in tokens:
             found = ratio_for_budget(blocks, total, state.budget, token)
             if found is not None:
                 options[token] = found
@@ -76,10 +78,34 @@ def make_row_plan(gm: torch.fx.GraphModule, state: ModelState, config: ApproxCon
         ratio = options[token]
     choices = row_choices(gm, blocks, ratio, token)
     decisions = decisions_for(gm, planned_layers(gm), choices, config, measured=False)
-    rows = row_plan(gm, ratio, token, config.variance_tau if auto else None, note="", options=options)
+    rows = dataclasses.replace(row_plan(gm, ratio, token, config.variance_tau if auto else None, note="",
+                                        options=options), token_breakeven=breakeven,
+                               row_breakeven=min(b.breakeven(1.0) for b in blocks))
     plan = assemble_plan(state.budget, state.method, total, decisions, config, "", None, True)
     plan = with_ratios(dataclasses.replace(plan, rows=rows), gm, ratio, token)
     return dataclasses.replace(plan, note=row_note(plan)), None
+
+
+def _token_breakeven(gm: torch.fx.GraphModule, blocks, config: ApproxConfig) -> float:
+    """:func:`~fxapprox.passes.measurement.measure_rows.token_breakeven` at the blocks' largest linear layer (by
+    weight-gradient FLOPs) on the example batch's shapes."""
+    from fxapprox.op_kinds.registry import handler_for
+    from fxapprox.passes.measurement.measure_rows import token_breakeven
+    from fxapprox.pipeline.records import kind_of, tensor_of
+    from fxapprox.pipeline.timing_cache import TimingCache
+
+    by_name = {n.name: n for n in gm.graph.nodes}
+    layers = [by_name[name] for block in blocks for name in block.layers]
+    layer = max(layers, key=lambda n: handler_for(n).weight_grad_flops(n))
+    kind, shape = kind_of(layer), tensor_of(layer).shape
+    rows = 1
+    for size in shape[:-1]:
+        rows *= size
+    parameter = next((p for p in gm.parameters()), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    dtype = parameter.dtype if parameter is not None else torch.float32
+    cache = TimingCache.for_config(config.timing_cache, device)
+    return token_breakeven(rows, kind.in_channels, kind.out_channels, dtype, device, cache)
 
 
 def row_note(plan: Plan) -> str:
@@ -97,4 +123,8 @@ def row_note(plan: Plan) -> str:
                  f"{rows.noise_scale:.3g})")
         if rows.tau is not None:
             text += f"; ratios set for tau {rows.tau:g} per part"
+            if not rows.saved_flops:
+                text += (f": nothing sampled — within it, sampling saves less than it costs here (rows pay below "
+                         f"{rows.row_breakeven or 1.0:.2f} of the samples, tokens below "
+                         f"{rows.token_breakeven or 1.0:.2f}; the minibatch's own noise leaves little room)")
     return text

@@ -360,13 +360,10 @@ class RowRuntime:
             action = "kept"
             note = f"numeric budget: its FLOPs kept (variance {check.row_part + check.token_part:.3g} × SGD's)"
             if rows.tau is not None:
-                from fxapprox.passes.analysis.row_blocks import row_blocks_of
-
-                names = {b.name for b in rows.sampled}
-                breakeven = min((b.breakeven(token_ratio) for b in row_blocks_of(self._planning_module())
-                                 if b.name in names), default=1.0)
+                breakeven = rows.row_breakeven or 1.0
                 new_ratio, new_token = next_ratios(ratio, token_ratio, check, rows.tau, state.config,
-                                                   calibrating=first, breakeven=breakeven)
+                                                   calibrating=first, breakeven=breakeven,
+                                                   token_breakeven=rows.token_breakeven or 1.0)
                 action = "replanned" if (new_ratio, new_token) != (ratio, token_ratio) else "kept"
                 note = (f"sampling variance rows {check.row_part:.3g} / tokens {check.token_part:.3g} × SGD's at "
                         f"{check.ratio:.2f} / {check.token_ratio:.2f} (tau {rows.tau:g} each): rows {ratio:.2f} → "

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxapprox.passes.analysis.row_blocks import ROW_BLOCKS_KEY, RowBlock, row_blocks_of, with_blocker
 
 __all__ = ["BlockRun", "eager_block_runs", "forward_disruption", "probe_row_block", "probe_row_blocks",
-           "traced_block_runs"]
+           "token_breakeven", "traced_block_runs"]
 
 #: relative tolerance of the subset probe (float sums in another order differ by rounding only)
 _RTOL = 1e-4
@@ -198,3 +198,43 @@ def forward_disruption(call, keep_ratio: float, min_channels: int) -> float | No
         return None
     reference, moved = F.log_softmax(exact.float(), -1), F.log_softmax(sampled.float(), -1)
     return float((reference.exp() * (reference - moved)).sum(-1).mean())
+
+
+def token_breakeven(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,
+                    cache=None, repeats: int = 9) -> float:
+    """The token ratio below which a weight gradient sampled over its tokens (``sampled_rows_product``: leverage
+    scores, PPS, the kept rows gathered) is faster than the whole product ``dYᵀ·X`` of a ``rows × in_features``
+    input and ``rows × out_features`` output gradient: the sampled product timed at ratio 1/2 against the whole one
+    (interleaved, medians), its fixed cost (scores, selection, gathers) read off as ``t(½) − ½·t(1)``, and the ratio
+    where ``ν·t(1) + fixed = t(1)``. ``cache`` (a :class:`~fxapprox.pipeline.timing_cache.TimingCache`) keeps it per
+    machine, so plans stay the same run after run."""
+    import statistics
+    import time
+
+    from fxapprox.ops.linear import sampled_rows_product
+
+    key = f"token breakeven:{rows}x{in_features}x{out_features}:{dtype}"
+    if cache is not None and cache.get(key) is not None:
+        return cache.get(key)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=generator).to(device=device, dtype=dtype)
+    grad = torch.randn(rows, out_features, generator=generator).to(device=device, dtype=dtype)
+    timings = {"whole": [], "half": []}
+    runs = {"whole": lambda: grad.t() @ x, "half": lambda: sampled_rows_product(grad, x, 0.5, "pps")}
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for round_index in range(repeats + 1):
+            for name, run in runs.items():
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if round_index:
+                    timings[name].append(time.perf_counter() - start)
+    whole, half = statistics.median(timings["whole"]), statistics.median(timings["half"])
+    breakeven = min(1.0, max(0.0, 1.0 - (half - 0.5 * whole) / whole)) if whole > 0 else 0.0
+    if cache is not None:
+        cache.put(key, breakeven)
+        cache.save()
+    return breakeven

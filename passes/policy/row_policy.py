@@ -99,12 +99,13 @@ def _target(measured_at: float, part: float, tau: float, floor: float, current: 
 
 
 def next_ratios(ratio: float, token_ratio: float, check, tau: float, config: ApproxConfig, calibrating: bool,
-                breakeven: float = 1.0) -> tuple[float, float]:
+                breakeven: float = 1.0, token_breakeven: float = 1.0) -> tuple[float, float]:
     """``budget="auto"``'s next ``(ratio, token_ratio)`` from a check measured at :func:`probe_setting`'s ratios
     (see the module docstring): the targets where each part's variance model meets ``tau``, reached half-way in log
     from the current ratios (at once when ``calibrating``, on the first step). A keep-ratio above ``breakeven`` (where
     the replay costs more than the dropped rows save) becomes 1: the blocks run whole, only their weight gradients
-    sampled."""
+    sampled; a token ratio above ``token_breakeven`` (where sampling the tokens costs more time than it saves)
+    becomes 1."""
     token_floor = min(config.token_ratios)
     targets = (_target(check.ratio, check.row_part, tau, MIN_RATIO, ratio),
                _target(check.token_ratio, check.token_part, tau, token_floor, token_ratio)
@@ -115,7 +116,7 @@ def next_ratios(ratio: float, token_ratio: float, check, tau: float, config: App
         moved = tuple(math.exp(0.5 * (math.log(current) + math.log(target)))
                       for current, target in zip((ratio, token_ratio), targets))
     rows, tokens = (round(value, 4) for value in moved)
-    return (1.0 if rows > breakeven else rows), tokens
+    return (1.0 if rows > breakeven else rows), (1.0 if tokens > token_breakeven else tokens)
 
 
 def choose_for_budget(options: dict[float, tuple[float, float]]) -> float:
