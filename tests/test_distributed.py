@@ -201,6 +201,29 @@ def _default_plans(rank: int) -> dict:
     return outcome
 
 
+def _rows(rank: int) -> dict:
+    """A row plan under DDP: each rank samples its own rows; the variance checks average over the ranks, so the
+    ratios move alike, and the sampled AllReduce (nothing forward-sampled here) sends the gradients whole."""
+    from tests.test_rows import LM, VOCAB
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randint(0, VOCAB, (8, 17), generator=generator) for _ in range(4)]
+    config = fxapprox.ApproxConfig(max_forward_kl=None, row_check_every=2, check_every=None, check_verbose=False,
+                                   min_speedup=None)
+    approx = fxapprox.approximate(LM(), 0.5, example_inputs=(batches[0][:, :-1],), config=config)
+    ddp = DistributedDataParallel(approx)
+    register_sampled_allreduce(ddp)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for ids in batches:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+        optimizer.step()
+    keys = ("step", "row_ratio", "token_ratio", "sgd_variance", "action")
+    return {"rows": approx.plan.rows.to_dict(), "history": [{k: r.to_dict()[k] for k in keys} for r in approx.history],
+            "parameters": float(sum(p.double().sum() for p in approx.parameters()))}
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -215,6 +238,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         results["fsdp"] = _fsdp(rank)
         results["guard"] = _guarded(rank)
         results["default plans"] = _default_plans(rank)
+        results["rows"] = _rows(rank)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -286,6 +310,15 @@ def test_default_measured_plans_agree_across_ranks(results):
         plans = [r["default plans"][name] for r in results]
         assert all(p == plans[0] for p in plans[1:]), name
     assert results[0]["default plans"]["spent"]["sampled"] > 0
+
+
+def test_a_row_plan_trains_under_ddp_with_the_ranks_in_agreement(results):
+    first = results[0]["rows"]
+    assert [r["step"] for r in first["history"]] == [1, 2, 4] and first["rows"]["blocks"]
+    for other in results[1:]:
+        assert other["rows"]["history"] == first["history"]   # the ranks' mean variances, the same ratios
+        assert other["rows"]["rows"]["token_ratio"] == first["rows"]["token_ratio"]
+        assert other["rows"]["parameters"] == first["parameters"]
 
 
 def test_clear_errors(results):

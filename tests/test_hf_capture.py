@@ -239,3 +239,36 @@ def test_peft_lora_under_the_default_config_spends_the_budget():
     # the planning graph holds no trainable weight (the adapters run in eager code): the plan is not checked
     assert approx.plan.approximated and approx.plan.check is None and approx.plan.budget_met
     approx(**inputs).loss.backward()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_llama_decoder_layers_are_row_sampled(lora):
+    """The row family on a Hugging Face Llama: its decoder layers are the blocks (captured region by region), the
+    backward on the kept samples, the forward and evaluation exact; under PEFT LoRA the frozen base layers get no
+    weight gradient and the rows are still sampled."""
+    model, _ = build("llama")
+    ids = torch.randint(2, 100, (8, 16), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                           lora_dropout=0.0, task_type="CAUSAL_LM"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    config = fxapprox.ApproxConfig(max_forward_kl=None, check_every=None, row_check_every=2, check_verbose=False,
+                                   min_speedup=None)
+    approx = fxapprox.approximate(model, 0.8 if lora else 0.5, example_inputs=inputs, config=config)
+    rows = approx.plan.rows
+    assert rows is not None and len(rows.sampled) == 2, approx.plan.note
+    assert all(b.name.endswith(("layers.0", "layers.1")) for b in rows.sampled)
+    assert approx.plan.budget_met, approx.plan.note
+    for _ in range(3):
+        approx.zero_grad(set_to_none=True)
+        approx(**inputs).loss.backward()
+    assert [r.step for r in approx.history] == [1, 2] and all(r.sgd_variance > 0 for r in approx.history)
+    for name, parameter in approx.named_parameters():
+        assert (parameter.grad is not None) == (name in trainable), name
+        assert parameter.grad is None or torch.isfinite(parameter.grad).all(), name
+    approx.eval()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(approx(**inputs).logits, model(**inputs).logits)

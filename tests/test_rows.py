@@ -124,6 +124,19 @@ def test_ratio_one_is_bit_identical_to_exact(model_and_approx):
         assert torch.equal(exact[name], replayed[name]), name
 
 
+def test_set_approximate_false_trains_exactly(model_and_approx):
+    model, approx = model_and_approx
+    _set_ratios(approx, 0.25)
+    approx.set_approximate(False)
+    ids, targets = _batch()
+    exact, found = _gradients(model.train(), ids, targets), _gradients(approx, ids, targets)
+    for name in exact:
+        torch.testing.assert_close(found[name], exact[name], rtol=1e-5, atol=1e-6)
+    approx.set_approximate(True)
+    found = _gradients(approx, ids, targets)
+    assert any(not torch.allclose(found[n], exact[n], rtol=1e-3, atol=1e-5) for n in exact)
+
+
 def test_the_estimate_is_unbiased(model_and_approx):
     """The mean of ``n`` sampled gradients is ~``1/√n`` of one draw's distance from the exact gradient (independent,
     unbiased draws), for rows and tokens sampled together."""

@@ -38,7 +38,7 @@ from fxapprox.ops._autocast import cast_like_autocast
 from fxapprox.ops.linear import backward_sampled_linear, pair_scores, sampled_rows_product, squared_norms
 from fxapprox.ops.sampling import inclusion_probabilities, rounded_count, select_pairs
 
-__all__ = ["RowSampledBlock", "RowSampler", "RowTape", "TOKEN_METHOD", "batch_of", "kept_rows_count", "row_linear",
+__all__ = ["RowSampledBlock", "RowSampler", "RowTape", "TOKEN_METHOD", "batch_of", "is_cache", "kept_rows_count", "row_linear",
            "row_norms", "row_sampled_call", "sampling"]
 
 #: how a kept row's tokens are sampled for a weight gradient (``token_ratio < 1``): PPS on leverage scores
@@ -251,6 +251,10 @@ def row_norms(grads, batch: int) -> torch.Tensor:
     return total.sqrt_()
 
 
+#: where a tensor stands among a call's input leaves (``None`` is a leaf value of its own)
+_TENSOR = object()
+
+
 @dataclass
 class _Call:
     """One call of a row-sampled block: how to run it on its flat tensors and put its input back together
@@ -258,18 +262,25 @@ class _Call:
 
     name: str
     sampler: RowSampler
-    run: Callable            # run(*tensors) -> the block's output pytree
+    run: Callable            # run(*tensors, replay=bool) -> the block's output pytree
     spec: object             # the input pytree's spec
-    leaves: tuple            # the input pytree's leaves: non-tensors as they are, tensors as None
+    leaves: tuple            # the input pytree's leaves: non-tensors as they are, tensors as _TENSOR
     batched: tuple           # per tensor: whether its first dimension is the batch
     n_tensors: int
     autocast: tuple          # (device, dtype) regions the forward ran under
     out_spec: object = None
 
 
-def _unflatten(call: _Call, tensors) -> tuple:
+def is_cache(value) -> bool:
+    """Whether ``value`` is a key-value cache a block appends to (Hugging Face's ``Cache``, matched by class name so
+    that transformers is not imported): state the block changes, which its replay must not touch again."""
+    return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
+
+
+def _unflatten(call: _Call, tensors, replay: bool) -> tuple:
     position = iter(tensors)
-    leaves = [next(position) if leaf is None else leaf for leaf in call.leaves]
+    leaves = [next(position) if leaf is _TENSOR else (None if replay and is_cache(leaf) else leaf)
+              for leaf in call.leaves]
     return tree_unflatten(leaves, call.spec)
 
 
@@ -282,7 +293,7 @@ class _RowBlockFunction(torch.autograd.Function):
         batch = next(t.shape[0] for t, b in zip(tensors, call.batched) if b)
         tape = RowTape(batch)
         with _tape(tape):
-            output = call.run(*tensors)
+            output = call.run(*tensors, replay=False)
         outputs, call.out_spec = tree_flatten(output)
         if not all(isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == batch for o in outputs):
             raise RuntimeError(f"fxapprox: row-sampled block {call.name!r} returned something other than tensors "
@@ -311,7 +322,8 @@ class _RowBlockFunction(torch.autograd.Function):
         with torch.enable_grad(), _tape(ctx.tape), _autocast(call.autocast):
             # the block gets views of the leaves, not the leaves: module hooks that watch their inputs' gradients
             # (FlopCounterMode's module tracker) cannot follow a leaf inside autograd.grad
-            outputs = tree_flatten(call.run(*(t.view_as(t) if t.requires_grad else t for t in replayed)))[0]
+            outputs = tree_flatten(call.run(*(t.view_as(t) if t.requires_grad else t for t in replayed),
+                                            replay=True))[0]
         pairs = []
         for output, grad in zip(outputs, grads):
             if grad is None or not output.requires_grad:
@@ -366,12 +378,14 @@ def row_sampled_call(name: str, sampler: RowSampler, run: Callable, args: tuple,
     regions = tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
                     if torch.is_autocast_enabled(device))
 
-    def unflat_run(*flat_tensors):
-        call_args, call_kwargs = _unflatten(call, flat_tensors)
+    def unflat_run(*flat_tensors, replay: bool):
+        # a key-value cache the forward appended to is passed as None to the replay (in training it starts empty
+        # each forward, so the replay's attention is the forward's)
+        call_args, call_kwargs = _unflatten(call, flat_tensors, replay)
         return run(*call_args, **call_kwargs)
 
     call = _Call(name=name, sampler=sampler, run=unflat_run, spec=spec,
-                 leaves=tuple(None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves), batched=batched,
+                 leaves=tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves), batched=batched,
                  n_tensors=len(tensors), autocast=regions)
     outputs = _RowBlockFunction.apply(call, *tensors, *(p for p in params if p.requires_grad))
     return tree_unflatten(list(outputs), call.out_spec)

@@ -558,6 +558,7 @@ class ApproxRuntime(RowRuntime):
         for module in self.modules():
             if isinstance(module, APPROX_MODULE_TYPES):
                 module.fxapprox_enabled = enabled
+        self._sync_rows()   # a region-captured model's blocks hold the sampler: switch it too
         return self
 
     def _set_sampling(self, enabled: bool) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxapprox.ops.rows import is_cache
 from fxapprox.passes.analysis.row_blocks import ROW_BLOCKS_KEY, RowBlock, row_blocks_of, with_blocker
 
 __all__ = ["BlockRun", "eager_block_runs", "forward_disruption", "probe_row_block", "probe_row_blocks",
@@ -60,20 +61,22 @@ def probe_row_block(run: BlockRun) -> str | None:
     def gathered(value):
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
             return value.index_select(0, rows.to(value.device))
-        return value
+        return None if is_cache(value) else value
 
+    # a key-value cache is not the probe's to append to (the replay passes none either)
+    args, kwargs = tree_map(lambda v: None if is_cache(v) else v, (run.args, run.kwargs))
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(11)
-        first = tree_flatten(run.run(*run.args, **run.kwargs))[0]
+        first = tree_flatten(run.run(*args, **kwargs))[0]
         torch.manual_seed(12)
-        again = tree_flatten(run.run(*run.args, **run.kwargs))[0]
+        again = tree_flatten(run.run(*args, **kwargs))[0]
         if not first or not all(isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == batch for o in first):
             return "returns something other than tensors whose first dimension is the batch"
         if not all(_close(a, b) for a, b in zip(again, first)):
             return ("draws random numbers in training (dropout): its replay on the kept rows would draw other ones; "
                     "set the dropout to 0 to sample its rows")
         torch.manual_seed(11)
-        subset = tree_flatten(run.run(*tree_map(gathered, run.args), **tree_map(gathered, run.kwargs)))[0]
+        subset = tree_flatten(run.run(*tree_map(gathered, args), **tree_map(gathered, kwargs)))[0]
     if len(subset) != len(first) or not all(_close(s, f.index_select(0, rows.to(f.device)))
                                             for s, f in zip(subset, first)):
         return ("mixes its samples (BatchNorm in training, a reduction over the batch): a subset of the samples "
