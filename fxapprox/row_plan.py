@@ -56,6 +56,9 @@ class RowPlan:
     checked_step: int | None = None
     checked_ratio: float | None = None
     checked_token_ratio: float | None = None
+    #: steps from the last check to the next (``row_check_every``; doubled after each ``"auto"`` check that found
+    #: nothing to sample within its bound)
+    check_interval: int | None = None
 
     @property
     def sampled(self) -> tuple[RowBlockDecision, ...]:

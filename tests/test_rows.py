@@ -307,23 +307,40 @@ def test_the_checks_raise_the_ratios_for_a_less_noisy_batch_and_lower_them_for_a
     assert ratio[0.05] > ratio[1.0] > ratio[20.0], ratio
 
 
-def test_training_records_variance_checks_and_auto_samples():
+def test_training_records_variance_checks():
+    """The first step and every ``row_check_every`` after it are checked and recorded; under ``"auto"`` a check
+    that leaves nothing to sample within the bound doubles the interval to the next."""
     torch.manual_seed(0)
     config = fxapprox.ApproxConfig(check_every=None, row_check_every=3, check_verbose=False, min_speedup=None)
     approx = _approximate(LM(), "auto", config=config)
     ids, targets = _batch()
     optimizer = torch.optim.SGD(approx.parameters(), lr=0.1)
-    for _ in range(7):
+    for _ in range(12):
         optimizer.zero_grad()
         _loss(approx, ids, targets).backward()
         optimizer.step()
     checks = list(approx.history)
-    assert [c.step for c in checks] == [1, 3, 6]
+    steps = [c.step for c in checks]
+    assert steps[:2] == [1, 4]
     assert all(c.sgd_variance > 0 and c.variance_ratio is not None for c in checks)
     rows = approx.plan.rows
-    assert rows.checked_step == 6 and rows.sgd_variance == checks[-1].sgd_variance
-    assert approx.plan.achieved < 1.0, approx.plan.note   # "auto" samples: not exact
+    assert rows.checked_step == steps[-1] and rows.sgd_variance == checks[-1].sgd_variance
+    for before, after, record in zip(steps, steps[1:], checks):
+        sampled_nothing = record.row_ratio >= 1.0 and record.token_ratio >= 1.0
+        assert after - before == (6 if sampled_nothing and before > 1 else 3)
     assert "variance" in str(approx.report)
+
+
+def test_a_numeric_budget_keeps_its_flops_through_the_checks():
+    torch.manual_seed(0)
+    config = fxapprox.ApproxConfig(max_forward_kl=None, check_every=None, row_check_every=2, check_verbose=False,
+                                   min_speedup=None)
+    approx = _approximate(LM(), 0.6, config=config)
+    ids, targets = _batch()
+    for _ in range(5):
+        _loss(approx, ids, targets).backward()
+    assert [c.step for c in approx.history] == [1, 3, 5]
+    assert approx.plan.budget_met and approx.plan.achieved == pytest.approx(0.6, abs=0.01), approx.plan.note
 
 
 # -- the model as users have it --------------------------------------------------------------------------------------

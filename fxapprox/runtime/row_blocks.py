@@ -130,7 +130,7 @@ def _sq(tensors) -> float:
 
 
 def measure_variance(forward, backward_outputs, sampler: RowSampler, params: list, batch: int, settings: list,
-                     groups: int = 4, draws: int = 2) -> list[VarianceCheck]:
+                     groups: int = 4, draws: int = 1) -> list[VarianceCheck]:
     """Measure the SGD variance of one batch and the sampling variance of each of ``settings`` (``(ratios by
     block, token_ratio)`` pairs) on it (see :class:`VarianceCheck`).
 
@@ -284,19 +284,25 @@ class RowRuntime:
         return [p for n, p in self.named_parameters() if p.requires_grad and n.startswith(names)]
 
     def _row_check_due(self, step: int) -> bool:
-        """The first step (its loss calibrates the ratios), then every ``row_check_every``; not while the schedule
-        trains exactly."""
+        """The first step (its loss calibrates the ratios), then every ``rows.check_interval`` steps after the last
+        check (``row_check_every``, doubled after each ``"auto"`` check that left nothing to sample); not while the
+        schedule trains exactly."""
         state = self._fxapprox_state
         rows = state.plan.rows
         if state.strength <= 0 or not rows.sampled:
             return False
-        every = state.config.row_check_every
-        return rows.checked_step is None or (bool(every) and step % every == 0)
+        if rows.checked_step is None:
+            return True
+        interval = rows.check_interval or state.config.row_check_every
+        return bool(interval) and step >= rows.checked_step + interval
 
     def _rows_training_call(self, step: int, args: tuple, kwargs: dict):
-        """A training step of a row plan, with a variance check when one is due."""
+        """A training step of a row plan, with a variance check when one is due; where nothing is sampled (every
+        ratio 1), the model's own call."""
         call = lambda: self._plain_call(args, kwargs)  # noqa: E731
         if not self._row_check_due(step):
+            if not self._fxapprox_state.plan.rows.saved_flops:
+                return call()
             return self._row_call(call)
         check = RowCheckStep(args, kwargs, lambda a, k, grads: self._row_checked(step, a, k, grads))
         self._fxapprox_state.check = check
@@ -370,6 +376,11 @@ class RowRuntime:
                         f"{new_ratio:.2f}, tokens {token_ratio:.2f} → {new_token:.2f}")
                 ratio, token_ratio = new_ratio, new_token
         new = with_ratios(plan, self._planning_module(), ratio, token_ratio, check, step)
+        interval = state.config.row_check_every
+        if rows.tau is not None and not new.rows.saved_flops and interval:
+            # nothing left to sample within the bound: look again later, less often (the noise grows in training)
+            interval = 2 * (rows.check_interval or interval) if not first else interval
+        new = dataclasses.replace(new, rows=dataclasses.replace(new.rows, check_interval=interval))
         self._apply_plan(dataclasses.replace(new, note=row_note(new)))
         self._record_row_check(step, check, action, note)
 

@@ -4,18 +4,20 @@ The row family (``fxapprox.ops.rows``) keeps the forward exact and samples the g
 block's backward runs on a share ``ratio`` of the batch's samples (chosen by their gradient norms, rescaled:
 unbiased), and each linear layer's weight gradient on ``token_ratio`` of their tokens. What it adds is variance,
 which can be set against the variance the minibatch already carries (SGD's): the variance checks
-(``fxapprox.runtime.row_checks``) measure both over the sampled blocks' parameters, on the example batch at
-planning and every ``ApproxConfig.row_check_every`` steps after.
+(``fxapprox.runtime.row_blocks``) measure both over the sampled blocks' parameters, on the first training step
+(whose loss is the user's) and every ``ApproxConfig.row_check_every`` steps after.
 
 * A **numeric budget** is spent: the blocks' keep-ratio is set so the step executes that fraction of exact training
-  FLOPs (:func:`ratio_for_budget`), at the token ratio (of ``ApproxConfig.token_ratios``) whose measured variance is
-  least for it (:func:`choose_for_budget`). When even the fewest rows cannot reach the budget the plan is not a
-  row plan: the other families spend it (the note says why).
+  FLOPs (:func:`ratio_for_budget`), at the token ratio (of ``ApproxConfig.token_ratios``, those below the measured
+  break-even where sampling tokens is faster than the whole weight gradient) whose measured variance is least for it
+  (:func:`choose_for_budget`, on the first step). When even the fewest rows cannot reach the budget the plan is not
+  a row plan: the other families spend it (the note says why).
 * **``budget="auto"``** holds each part of the sampling variance (rows; tokens) at ``variance_tau`` × the SGD
   variance: each is modelled as ``c · (1/r − 1)`` in its ratio ``r`` (PPS sampling of near-equal norms; skewed norms
   do better, so the model errs on the side of keeping more), ``c`` fitted to the last measurement, and the ratio set
-  where the model meets the bound (:func:`ratios_for_variance`), half-way in log from the old ratio (the measurement
-  is one batch's).
+  where the model meets the bound (:func:`next_ratios`), half-way in log from the old ratio (the measurement is one
+  batch's). A keep-ratio above its break-even (replaying the block costs more FLOPs than the dropped rows save) or a
+  token ratio above its measured break-even becomes 1: what does not save is not sampled.
 
 Every block gets the same keep-ratio: the rows it keeps are kept by every block below it (they keep a subset of
 what is left, never more), so the sampling happens once at the top block and each block's backward shrinks alike;
