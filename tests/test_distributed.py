@@ -314,7 +314,7 @@ def test_default_measured_plans_agree_across_ranks(results):
 
 def test_a_row_plan_trains_under_ddp_with_the_ranks_in_agreement(results):
     first = results[0]["rows"]
-    assert [r["step"] for r in first["history"]] == [1, 2, 4] and first["rows"]["blocks"]
+    assert [r["step"] for r in first["history"]] == [1, 3] and first["rows"]["blocks"]
     for other in results[1:]:
         assert other["rows"]["history"] == first["history"]   # the ranks' mean variances, the same ratios
         assert other["rows"]["rows"]["token_ratio"] == first["rows"]["token_ratio"]

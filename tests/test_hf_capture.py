@@ -264,7 +264,7 @@ def test_llama_decoder_layers_are_row_sampled(lora):
     for _ in range(3):
         approx.zero_grad(set_to_none=True)
         approx(**inputs).loss.backward()
-    assert [r.step for r in approx.history] == [1, 2] and all(r.sgd_variance > 0 for r in approx.history)
+    assert [r.step for r in approx.history] == [1, 3] and all(r.sgd_variance > 0 for r in approx.history)
     for name, parameter in approx.named_parameters():
         assert (parameter.grad is not None) == (name in trainable), name
         assert parameter.grad is None or torch.isfinite(parameter.grad).all(), name
