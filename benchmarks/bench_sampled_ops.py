@@ -128,7 +128,9 @@ def run_case(name, make_model, inputs, loss_fn, budget, policy, repetitions):
     bound = 1.0 / (1.0 - share * (1.0 - plan.achieved))
     modes = sorted({f"{d.mode} {d.method}" for d in plan.approximated})
     if plan.rows is not None:
-        modes = [f"rows {min(b.ratio for b in plan.rows.sampled):.2f} / tokens {plan.rows.token_ratio:.2f}"]
+        rows_plan = plan.rows
+        modes = [f"rows {min(b.ratio for b in rows_plan.sampled):.2f} / tokens {rows_plan.token_ratio:.2f} "
+                 f"(break-even: rows {rows_plan.row_breakeven or 1.0:.2f}, tokens {rows_plan.token_breakeven or 1.0:.2f})"]
     return {"case": name, "policy": policy, "budget": budget, "achieved": plan.achieved,
             "exact_s": statistics.median(samples["exact"]), "approx_s": approx_s, "speedup": speedup,
             "flop_limit": 1.0 / plan.achieved, "share": share, "bound": bound, "of_bound": speedup / bound,

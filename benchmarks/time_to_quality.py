@@ -249,7 +249,9 @@ def measure(name: str, cache: Path, rounds: int) -> dict:
     samples = interleaved_samples(steps, rounds, warmup=3)
     ratios = {key: paired_ratio(samples, "exact", key) for key in steps if key != "exact"}
     plans = {label: {"achieved": m.plan.achieved, "sampled": len(m.plan.approximated), "layers": len(m.plan.layers),
-                     "measured_speedup": m.plan.measured_speedup} for label, m in models.items()}
+                     "measured_speedup": m.plan.measured_speedup,
+                     "row_breakeven": m.plan.rows.row_breakeven if m.plan.rows is not None else None}
+             for label, m in models.items()}
     return {"planning": planning, "ratios": ratios, "exact_step": statistics.median(samples["exact"]),
             "plans": plans}
 
@@ -431,10 +433,15 @@ def summarise(name: str, results: dict, timing: dict, seeds: list[int]) -> list[
             note += (f"; rows: {first['rows']['blocks']} blocks, at the end samples "
                      f"{statistics.fmean(e['ratio'] for e in ends):.2f} / tokens "
                      f"{statistics.fmean(e['token_ratio'] for e in ends):.2f}")
-            variances = [c[3] for seed in seeds for c in results[(label, seed)].get("row_checks", ())[1:]
-                         if c[3] is not None]
-            if variances:
-                note += f", sampling variance {statistics.median(variances):.2g}× SGD's (median of checks)"
+            planned = timing.get("plans", {}).get(fam, {})
+            if label == "auto" and planned.get("row_breakeven") is not None:
+                note += f" (a row-sampled step is faster below {planned['row_breakeven']:.2f} of the samples)"
+            checks = [c for seed in seeds for c in results[(label, seed)].get("row_checks", ())[1:]
+                      if c[3] is not None]
+            if checks:
+                note += (f", sampling variance {statistics.median(c[3] for c in checks):.2g}× SGD's at the checked "
+                         f"samples {statistics.median(c[5] for c in checks):.2f} / tokens "
+                         f"{statistics.median(c[6] for c in checks):.2f} (medians over checks after the first)")
         rows.append(Row("exact" if exact_label else label, statistics.fmean(flops), speedup, equal_steps,
                         equal_time, less_planning, reach, 0.0 if exact_label else timing["planning"][fam], statistics.fmean(guard), note))
     return rows
@@ -559,6 +566,11 @@ def main() -> None:
                         help="only print the error-cost fits from the calibration runs done so far")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    if args.write:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--write draws the plots in docs/: pip install matplotlib (the [plots] extra)") from None
     torch.set_num_threads(1)   # what every run and timing uses (and what the machine line says)
     DATA.mkdir(parents=True, exist_ok=True)
     cache = DATA / "timing_cache"

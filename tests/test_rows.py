@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxapprox
-from fxapprox.ops.rows import RowSampler, kept_rows_count, row_linear, row_sampled_call
+from fxapprox.ops.row_tape import row_linear
+from fxapprox.ops.rows import RowSampler, kept_rows_count, row_sampled_call
 from fxapprox.passes.measurement.measure_rows import BlockRun, forward_disruption, probe_row_block
 from fxapprox.passes.policy.row_policy import next_ratios, with_ratios
 from fxapprox.plan import Plan
@@ -329,6 +330,40 @@ def test_training_records_variance_checks():
         sampled_nothing = record.row_ratio >= 1.0 and record.token_ratio >= 1.0
         assert after - before == (6 if sampled_nothing and before > 1 else 3)
     assert "variance" in str(approx.report)
+
+
+def test_auto_samples_only_below_the_measured_time_break_even(tmp_path):
+    """``"auto"``'s row break-even is the lower of the replay's FLOP break-even and the block's step timed plain
+    and row-sampled (cached per machine: the same plan again)."""
+    from fxapprox.passes.analysis.row_blocks import row_blocks_of
+    from fxapprox.passes.measurement.measure_rows import BlockRun, row_time_breakeven
+    from fxapprox.pipeline.timing_cache import TimingCache
+
+    torch.manual_seed(0)
+    config = fxapprox.ApproxConfig(check_every=None, check_verbose=False, timing_cache=str(tmp_path))
+    approx = _approximate(LM(), "auto", config=config)
+    rows = approx.plan.rows
+    flop_breakeven = min(b.breakeven(1.0) for b in row_blocks_of(approx._planning_module()) if not b.blocker)
+    assert 0.0 <= rows.row_breakeven <= flop_breakeven
+    block = Block()
+    run = BlockRun(block, (torch.randn(B, T, D),), {}, B)
+    cache = TimingCache.for_config(str(tmp_path), torch.device("cpu"))
+    first = row_time_breakeven(run, cache)
+    assert 0.0 <= first <= 1.0 and row_time_breakeven(run, cache) == first
+
+
+def test_a_batch_of_one_sample_waits_for_a_larger_batch_to_check():
+    """One sample has no minibatch variance to measure: the step trains without a check, the next larger batch
+    is checked."""
+    torch.manual_seed(0)
+    config = fxapprox.ApproxConfig(max_forward_kl=None, check_every=None, row_check_every=2, check_verbose=False,
+                                   min_speedup=None)
+    approx = _approximate(LM(), 0.6, config=config)
+    ids, targets = _batch()
+    _loss(approx, ids[:1], targets[:1]).backward()
+    assert list(approx.history) == [] and approx.plan.rows.checked_step is None
+    _loss(approx, ids, targets).backward()
+    assert [c.step for c in approx.history] == [2] and approx.history[0].sgd_variance > 0
 
 
 def test_a_numeric_budget_keeps_its_flops_through_the_checks():

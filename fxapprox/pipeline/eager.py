@@ -83,10 +83,11 @@ class ApproxModel(ApproxRuntime):
         plan, why_not_rows = None, None
         if row_planned(state, config):
             with measurement_sandbox(self), self._exact_calls():
-                why_not_rows = forward_sampling_harmless(
-                    lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), state, config)
-                if why_not_rows is None:
-                    find_row_blocks(planning)
+                find_row_blocks(planning)
+                if row_blocks_of(planning):
+                    why_not_rows = forward_sampling_harmless(
+                        lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), state, config)
+                if row_blocks_of(planning) and why_not_rows is None:
                     runs, unrunnable = eager_block_runs(self, planning, received)
                     plan, why_not_rows = make_row_plan(planning, state, config, runs, unrunnable)
         if plan is None:

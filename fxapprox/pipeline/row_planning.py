@@ -78,12 +78,29 @@ def make_row_plan(gm: torch.fx.GraphModule, state: ModelState, config: ApproxCon
         ratio = options[token]
     choices = row_choices(gm, blocks, ratio, token)
     decisions = decisions_for(gm, planned_layers(gm), choices, config, measured=False)
+    row_breakeven = min(b.breakeven(1.0) for b in blocks)
+    if auto:   # "auto" samples only where it pays in time; a numeric budget is an instruction on FLOPs
+        row_breakeven = min(row_breakeven, _row_time_breakeven(blocks, runs, config))
     rows = dataclasses.replace(row_plan(gm, ratio, token, config.variance_tau if auto else None, note="",
-                                        options=options), token_breakeven=breakeven,
-                               row_breakeven=min(b.breakeven(1.0) for b in blocks))
+                                        options=options), token_breakeven=breakeven, row_breakeven=row_breakeven)
     plan = assemble_plan(state.budget, state.method, total, decisions, config, "", None, True)
     plan = with_ratios(dataclasses.replace(plan, rows=rows), gm, ratio, token)
     return dataclasses.replace(plan, note=row_note(plan)), None
+
+
+def _row_time_breakeven(blocks, runs: dict, config: ApproxConfig) -> float:
+    """:func:`~fxapprox.passes.measurement.measure_rows.row_time_breakeven` of the sampled block of most FLOPs (the
+    blocks of a transformer are alike: one is timed)."""
+    from fxapprox.passes.measurement.measure_rows import block_parameters, row_time_breakeven
+    from fxapprox.pipeline.timing_cache import TimingCache
+
+    timed = [b for b in blocks if b.name in runs]
+    if not timed:
+        return 1.0
+    run = runs[max(timed, key=lambda b: b.exact_flops).name]
+    parameter = next(iter(block_parameters(run)), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    return row_time_breakeven(run, TimingCache.for_config(config.timing_cache, device))
 
 
 def _token_breakeven(gm: torch.fx.GraphModule, blocks, config: ApproxConfig) -> float:

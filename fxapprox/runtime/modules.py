@@ -20,7 +20,7 @@ from fxapprox._validate import check_choice, check_int, check_share
 from fxapprox.ops.conv import backward_sampled_conv2d, pair_scores_conv2d, sampled_conv2d
 from fxapprox.ops.linear import INPUT_SAVING, backward_sampled_linear, pair_scores_linear, sampled_linear
 from fxapprox.ops.lstm import LSTMBackward, sparse_backward_lstm_layer
-from fxapprox.ops.rows import row_linear
+from fxapprox.ops.row_tape import row_linear
 from fxapprox.ops.sampling import METHODS
 
 #: where a layer is sampled: its forward product (all three GEMMs shrink), both backward GEMMs, or only the

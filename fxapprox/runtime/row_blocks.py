@@ -149,7 +149,10 @@ def measure_variance(forward, backward_outputs, sampler: RowSampler, params: lis
         output = forward()
         outputs, grad_outputs = backward_outputs(output)
         forward_seconds = time.perf_counter() - start
-        groups = max(2, min(groups, batch))
+        groups = min(groups, batch)
+        if groups < 2:
+            raise ValueError(f"a variance check needs a batch of at least 2 samples (got {batch}): the minibatch's "
+                             f"variance comes from disjoint parts of it")
         total, squares = None, 0.0
         sampler.token_ratio = 1.0
         for part in torch.randperm(batch).chunk(groups):
@@ -300,7 +303,8 @@ class RowRuntime:
         """A training step of a row plan, with a variance check when one is due; where nothing is sampled (every
         ratio 1), the model's own call."""
         call = lambda: self._plain_call(args, kwargs)  # noqa: E731
-        if not self._row_check_due(step):
+        if not self._row_check_due(step) or batch_of(tree_flatten((args, kwargs))[0]) < 2:
+            # a batch of one sample has no minibatch variance to measure: the check waits for a larger batch
             if not self._fxapprox_state.plan.rows.saved_flops:
                 return call()
             return self._row_call(call)
@@ -313,7 +317,7 @@ class RowRuntime:
         they were)."""
         buffers = {name: b.detach().clone() for name, b in self.named_buffers()}
         modes = {module: module.training for module in self.modules()}
-        batch = batch_of(list(args) + list(kwargs.values()))
+        batch = batch_of(tree_flatten((args, kwargs))[0])
         try:
             with torch.random.fork_rng(devices=[]), torch.enable_grad():
                 self.train()

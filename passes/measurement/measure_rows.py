@@ -16,6 +16,7 @@ left as they were (the probes run in the analysis sandbox).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from fxapprox.ops.rows import is_cache
 from fxapprox.passes.analysis.row_blocks import ROW_BLOCKS_KEY, RowBlock, row_blocks_of, with_blocker
 
 __all__ = ["BlockRun", "eager_block_runs", "forward_disruption", "probe_row_block", "probe_row_blocks",
-           "token_breakeven", "traced_block_runs"]
+           "block_parameters", "row_time_breakeven", "token_breakeven", "traced_block_runs"]
 
 #: relative tolerance of the subset probe (float sums in another order differ by rounding only)
 _RTOL = 1e-4
@@ -203,6 +204,25 @@ def forward_disruption(call, keep_ratio: float, min_channels: int) -> float | No
     return float((reference.exp() * (reference - moved)).sum(-1).mean())
 
 
+def _interleaved_seconds(runs: dict, repeats: int, device: torch.device) -> dict:
+    """Each of ``runs`` (name → callable) timed ``repeats`` times, interleaved round by round after one warm-up
+    round (the machine's speed drifts between rounds far more than within one): the seconds of each, per round."""
+    import time
+
+    timings = {name: [] for name in runs}
+    for round_index in range(repeats + 1):
+        for name, run in runs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_index:
+                timings[name].append(time.perf_counter() - start)
+    return timings
+
+
 def token_breakeven(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,
                     cache=None, repeats: int = 9) -> float:
     """The token ratio below which a weight gradient sampled over its tokens (``sampled_rows_product``: leverage
@@ -211,9 +231,6 @@ def token_breakeven(rows: int, in_features: int, out_features: int, dtype: torch
     (interleaved, medians), its fixed cost (scores, selection, gathers) read off as ``t(½) − ½·t(1)``, and the ratio
     where ``ν·t(1) + fixed = t(1)``. ``cache`` (a :class:`~fxapprox.pipeline.timing_cache.TimingCache`) keeps it per
     machine, so plans stay the same run after run."""
-    import statistics
-    import time
-
     from fxapprox.ops.linear import sampled_rows_product
 
     key = f"token breakeven:{rows}x{in_features}x{out_features}:{dtype}"
@@ -222,21 +239,83 @@ def token_breakeven(rows: int, in_features: int, out_features: int, dtype: torch
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, in_features, generator=generator).to(device=device, dtype=dtype)
     grad = torch.randn(rows, out_features, generator=generator).to(device=device, dtype=dtype)
-    timings = {"whole": [], "half": []}
     runs = {"whole": lambda: grad.t() @ x, "half": lambda: sampled_rows_product(grad, x, 0.5, "pps")}
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        for round_index in range(repeats + 1):
-            for name, run in runs.items():
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                run()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if round_index:
-                    timings[name].append(time.perf_counter() - start)
-    whole, half = statistics.median(timings["whole"]), statistics.median(timings["half"])
+        seconds = _interleaved_seconds(runs, repeats, device)
+    whole, half = statistics.median(seconds["whole"]), statistics.median(seconds["half"])
     breakeven = min(1.0, max(0.0, 1.0 - (half - 0.5 * whole) / whole)) if whole > 0 else 0.0
+    if cache is not None:
+        cache.put(key, breakeven)
+        cache.save()
+    return breakeven
+
+
+def block_parameters(run: BlockRun) -> list[torch.Tensor]:
+    """The trainable parameters a block run uses: its module's, or (a traced block's code) those of the modules and
+    the parameters among its arguments."""
+    found, seen = [], set()
+    for value in (run.run, *run.args):
+        tensors = value.parameters() if isinstance(value, nn.Module) else ([value] if isinstance(value, nn.Parameter)
+                                                                           else [])
+        for tensor in tensors:
+            if tensor.requires_grad and id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append(tensor)
+    return found
+
+
+def row_time_breakeven(run: BlockRun, cache=None, repeats: int = 4) -> float:
+    """The keep-ratio below which a row-sampled training step of the block ``run`` runs (forward without autograd,
+    recorded; backward replayed on the kept rows: ``fxapprox.ops.rows``) is faster than its plain one, on this
+    machine: the block's forward and backward timed plainly (``t_e``), row-sampled keeping every row (``t_1``: the
+    replay's whole cost) and keeping half (``t_½``), interleaved, medians; the step's time taken as linear in the
+    ratio, ``t(r) = t_1 − (t_1 − t_½)·(1 − r)/½``, and the ratio where it meets ``t_e`` (each time a median of
+    per-round ratios to ``t_e``). The FLOP break-even
+    (``RowBlock.breakeven``) misses what the replay costs beyond FLOPs: a forward run twice on the kept rows' cheap
+    ops, the gathers, the Python of the replay. ``cache`` keeps it per machine and block shape."""
+    from fxapprox.ops.rows import RowSampler, row_sampled_call
+
+    params = block_parameters(run)
+    leaves = tree_flatten((run.args, run.kwargs))[0]
+    shapes = [tuple(v.shape) for v in leaves if isinstance(v, torch.Tensor)] + [tuple(p.shape) for p in params]
+    key = f"row breakeven:{type(run.run).__name__}:{run.batch}:{hash(tuple(shapes))}"
+    if cache is not None and cache.get(key) is not None:
+        return cache.get(key)
+    args, kwargs = tree_map(lambda v: None if is_cache(v) else v, (run.args, run.kwargs))
+    args, kwargs = tree_map(lambda v: v.detach().requires_grad_() if isinstance(v, torch.Tensor)
+                            and v.is_floating_point() and v.dim() >= 2 and v.shape[0] == run.batch else v,
+                            (args, kwargs))
+    inputs = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor) and v.requires_grad]
+    wanted = inputs + params
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            outputs = [o for o in tree_flatten(run.run(*args, **kwargs))[0]
+                       if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        grads = [torch.randn_like(o) for o in outputs]
+
+        def step(sampler: RowSampler | None):
+            def call():
+                if sampler is None:
+                    out = run.run(*args, **kwargs)
+                else:
+                    out = row_sampled_call("block", sampler, run.run, args, kwargs, params, run.batch)
+                found = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_floating_point()]
+                torch.autograd.grad(found, wanted, grads, allow_unused=True)
+            return call
+
+        device = wanted[0].device if wanted else torch.device("cpu")
+        seconds = _interleaved_seconds({"exact": step(None), "whole": step(RowSampler({"block": 1.0}, force=True)),
+                                        "half": step(RowSampler({"block": 0.5}))}, repeats, device)
+    # per-round ratios to the plain step (paired: steadier than ratios of medians)
+    whole = statistics.median(w / e for w, e in zip(seconds["whole"], seconds["exact"]))
+    half = statistics.median(h / e for h, e in zip(seconds["half"], seconds["exact"]))
+    if whole <= 1.0:
+        breakeven = 1.0
+    elif whole <= half:
+        breakeven = 0.0
+    else:
+        breakeven = min(1.0, max(0.0, 1.0 - 0.5 * (whole - 1.0) / (whole - half)))
     if cache is not None:
         cache.put(key, breakeven)
         cache.save()

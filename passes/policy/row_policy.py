@@ -26,6 +26,7 @@ with near-equal per-sample norms a row costs every block the same variance per F
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch.fx
@@ -152,7 +153,7 @@ def row_choices(gm: torch.fx.GraphModule, blocks: list[RowBlock], ratio: float, 
     return choices
 
 
-def _block_decisions(gm, blocks_all: list[RowBlock], sampled: list[RowBlock], ratio: float,
+def _block_decisions(blocks_all: list[RowBlock], sampled: list[RowBlock], ratio: float,
                      token_ratio: float) -> tuple[RowBlockDecision, ...]:
     names = {b.name for b in sampled}
     decisions = []
@@ -172,7 +173,7 @@ def row_plan(gm: torch.fx.GraphModule, ratio: float, token_ratio: float, tau: fl
     """The :class:`~fxapprox.row_plan.RowPlan` of ``gm``'s eligible blocks at ``ratio`` and ``token_ratio``
     (``options``: a numeric budget's token ratio → keep-ratio pairs)."""
     sampled = eligible_row_blocks(gm)
-    return RowPlan(blocks=_block_decisions(gm, row_blocks_of(gm), sampled, ratio, token_ratio),
+    return RowPlan(blocks=_block_decisions(row_blocks_of(gm), sampled, ratio, token_ratio),
                    token_ratio=token_ratio, tau=tau, note=note,
                    options=tuple((t, r) for t, r in (options or {}).items()))
 
@@ -180,8 +181,6 @@ def row_plan(gm: torch.fx.GraphModule, ratio: float, token_ratio: float, tau: fl
 def with_ratios(plan, gm: torch.fx.GraphModule, ratio: float, token_ratio: float, measured=None, step=None):
     """``plan`` (a :class:`fxapprox.plan.Plan` with ``rows``) at new ratios: its blocks, its linear layers' decisions
     and its totals; ``measured`` (a variance check) and ``step`` recorded."""
-    import dataclasses
-
     rows = plan.rows
     sampled_names = {b.name for b in rows.sampled}
     blocks = [b for b in row_blocks_of(gm) if b.name in sampled_names]
@@ -192,7 +191,7 @@ def with_ratios(plan, gm: torch.fx.GraphModule, ratio: float, token_ratio: float
             candidate = _row_candidate(by_node[decision.node], ratio, token_ratio)
             decision = dataclasses.replace(decision, planned_flops=candidate.flops, k=candidate.k)
         layers.append(decision)
-    new_rows = dataclasses.replace(rows, blocks=_block_decisions(gm, row_blocks_of(gm), blocks, ratio, token_ratio),
+    new_rows = dataclasses.replace(rows, blocks=_block_decisions(row_blocks_of(gm), blocks, ratio, token_ratio),
                                    token_ratio=token_ratio)
     if measured is not None:
         new_rows = dataclasses.replace(new_rows, sgd_variance=measured.sgd_variance, row_variance=measured.row_variance,
