@@ -89,6 +89,27 @@ def test_top_k_sampled_ops_compile_without_graph_breaks(case):
         torch.testing.assert_close(grad, eager[name], msg=name)
 
 
+@pytest.mark.parametrize("mode", [None, "forward", "backward", "weight_grad"])
+@pytest.mark.parametrize("method", ["topk", "crs", "wta_crs"])
+def test_an_approximated_model_compiles_whole_under_the_default_config(method, mode):
+    """``torch.compile(approx, fullgraph=True)`` of a planned model with the default config (the guard on: it says
+    once that it does not run compiled, without breaking the graph) trains, every fixed-count method and mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+    x = torch.randn(32, 64)
+    approx = fxapprox.approximate(model, 0.5, example_inputs=(x,), method=method,
+                                  config=fxapprox.ApproxConfig(mode=mode, check_verbose=False)).train()
+    assert approx.plan.approximated, approx.plan.note
+    compiled = torch.compile(approx, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            approx.zero_grad()
+            compiled(x).square().mean().backward()
+    assert any("does not run under torch.compile" in str(w.message) for w in caught)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in approx.parameters())
+
+
 @pytest.mark.parametrize("method", ["crs", "bernoulli", "wta_crs"])
 def test_random_methods_run_compiled(method):
     """Their kept count is data-dependent (a host sync): dynamo may break the graph, the step must still run."""

@@ -214,6 +214,10 @@ _input_norms = threading.local()
 def input_squared_norms(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """:func:`squared_norms` of a layer's input over ``dim``, shared with the layers that read the same input
     (:class:`_SharedInputNorms`)."""
+    if torch.compiler.is_compiling():
+        # the memo is eager-only, and created on first use: a traced backward must not create it (a side effect
+        # dynamo refuses inside autograd.Function's backward); a compiled graph shares the computation itself
+        return squared_norms(tensor, dim)
     memo = getattr(_input_norms, "memo", None)
     if memo is None:
         memo = _input_norms.memo = _SharedInputNorms()

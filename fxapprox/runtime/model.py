@@ -16,6 +16,7 @@ import types
 import warnings
 
 import torch
+from torch._dynamo.comptime import comptime
 import torch.fx
 
 from fxapprox.config import ApproxConfig
@@ -53,6 +54,13 @@ def _shapes(values) -> list:
 
 
 
+def _warn_guard_not_compiled(ctx=None) -> None:
+    """Run by ``comptime`` while torch.compile traces a training call (once per trace; Python's warning filter shows
+    it once per process by default)."""
+    warnings.warn("fxapprox: the guard (ApproxConfig(check_every=...)) does not run under torch.compile; the "
+                  "compiled training step is not checked against exact gradients", RuntimeWarning, stacklevel=2)
+
+
 class ApproxRuntime(RowRuntime):
     """Mixin: the training-time behaviour and public surface of an approximated model (see the module docstring).
     The class it is mixed into provides ``plan_from(*args, **kwargs)`` and ``_fxapprox_state``."""
@@ -77,10 +85,9 @@ class ApproxRuntime(RowRuntime):
             # of strength recompiles); a constant plan compiles whole
             self._compiled_step(args, kwargs)
         if self._check_every() is not None and not state.warned_compile:
-            state.warned_compile = True
-            warnings.warn("fxapprox: the guard (ApproxConfig(check_every=...)) does not run under torch.compile; "
-                          "the compiled training step is not checked against exact gradients", RuntimeWarning,
-                          stacklevel=2)
+            # warned while torch.compile traces this call (comptime runs Python there without a graph break, so
+            # fullgraph=True compiles), not from the compiled code
+            comptime(_warn_guard_not_compiled)
         if state.saving is None:
             return super().__call__(*args, **kwargs)
         if not isinstance(self, torch.fx.GraphModule):
