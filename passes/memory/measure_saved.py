@@ -18,7 +18,7 @@ Written to ``node.meta[BIT_ERRORS_KEY]`` of the value's root node:
 The quantised copy is made when autograd unpacks the saved tensor, so a saver that saves
 its own output (a ReLU, a sigmoid) is measured the same way as one that saves an input.
 A value the plan rebuilds in backward from this one (a LayerNorm's or GELU's output,
-``memory_policy._recomputed``) is measured with it: its savers unpack the op re-run on
+``memory_widths.recomputed``) is measured with it: its savers unpack the op re-run on
 the quantised copy of this value, as the runtime does, and their errors add to this
 value's contribution.
 """

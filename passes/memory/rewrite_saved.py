@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxapprox.passes.memory.memory_policy import recipe_of
+from fxapprox.passes.memory.memory_widths import recipe_of
 from fxapprox.passes.memory.rewrite_checkpoint import forward_of
 from fxapprox.plan import MemoryPlan
 from fxapprox.runtime.saved_markers import compress_saved, recompute_saved
