@@ -17,7 +17,7 @@ from fxapprox.errors import AnalysisError, FxApproxError, PlanNotReadyError, Tra
 from fxapprox.export import export
 from fxapprox.plan import LayerDecision, Plan
 from fxapprox.report import Report
-from fxapprox.runtime.calibration import recalibrate_bn
+from fxapprox.calibration import recalibrate_bn
 from fxapprox.runtime.host_sync import count_host_syncs
 from fxapprox.runtime.saved_activations import SavedActivationStats
 from fxapprox.runtime.saved_tensors import count_saved_bytes

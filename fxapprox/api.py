@@ -79,10 +79,10 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
         plan, why_not_rows = None, None
         if row_planned(state, config):
             with measurement_sandbox(self):
-                find_row_blocks(self)
-                if row_blocks_of(self):
+                has_blocks = bool(find_row_blocks(self))
+                if has_blocks:
                     why_not_rows = forward_sampling_harmless(lambda: self.forward(*inputs), state, config)
-                if row_blocks_of(self) and why_not_rows is None:
+                if has_blocks and why_not_rows is None:
                     runs, unrunnable = traced_block_runs(self, inputs)
                     plan, why_not_rows = make_row_plan(self, state, config, runs, unrunnable)
         if plan is None:

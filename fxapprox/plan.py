@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from fxapprox.row_plan import RowBlockDecision, RowPlan
+from fxapprox.row_plan import RowPlan
 
 
 @dataclass(frozen=True)

@@ -332,7 +332,7 @@ def test_training_records_variance_checks():
     assert "variance" in str(approx.report)
 
 
-def test_auto_samples_only_below_the_measured_time_break_even(tmp_path):
+def test_auto_samples_only_below_the_measured_time_break_even(tmp_path, monkeypatch):
     """``"auto"``'s row break-even is the lower of the replay's FLOP break-even and the block's step timed plain
     and row-sampled (cached per machine: the same plan again)."""
     from fxapprox.passes.analysis.row_blocks import row_blocks_of
@@ -350,6 +350,14 @@ def test_auto_samples_only_below_the_measured_time_break_even(tmp_path):
     cache = TimingCache.for_config(str(tmp_path), torch.device("cpu"))
     first = row_time_breakeven(run, cache)
     assert 0.0 <= first <= 1.0 and row_time_breakeven(run, cache) == first
+    # the timed break-even is what "auto" plans with, and a numeric budget (FLOPs) does not time it
+    import fxapprox.passes.measurement.measure_rows as measure_rows
+
+    timed = []
+    monkeypatch.setattr(measure_rows, "row_time_breakeven", lambda *a, **k: timed.append(1) or 0.3)
+    assert _approximate(LM(), "auto", config=config).plan.rows.row_breakeven == pytest.approx(min(0.3, flop_breakeven))
+    assert timed == [1]
+    assert _approximate(LM(), 0.5).plan.rows.row_breakeven == pytest.approx(flop_breakeven) and timed == [1]
 
 
 def test_a_batch_of_one_sample_waits_for_a_larger_batch_to_check():

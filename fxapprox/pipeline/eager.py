@@ -83,11 +83,11 @@ class ApproxModel(ApproxRuntime):
         plan, why_not_rows = None, None
         if row_planned(state, config):
             with measurement_sandbox(self), self._exact_calls():
-                find_row_blocks(planning)
-                if row_blocks_of(planning):
+                has_blocks = bool(find_row_blocks(planning))
+                if has_blocks:
                     why_not_rows = forward_sampling_harmless(
                         lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), state, config)
-                if row_blocks_of(planning) and why_not_rows is None:
+                if has_blocks and why_not_rows is None:
                     runs, unrunnable = eager_block_runs(self, planning, received)
                     plan, why_not_rows = make_row_plan(planning, state, config, runs, unrunnable)
         if plan is None:

@@ -9,28 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import warnings
 from dataclasses import dataclass
 
 from torch import nn
 
-from fxapprox._validate import check_choice, check_fraction, check_int, check_positive, check_share
+from fxapprox.config.validation import validate
 from fxapprox.ops.lstm import DEFAULT_BLOCK_STEPS
-from fxapprox.ops.quantize import ROUNDINGS
 from fxapprox.pipeline.overrides import LayerOverride
 from fxapprox.runtime.modules import MODES
-from fxapprox.schedule import SCHEDULES
 
-#: how the plan is made: least measured error for the FLOP budget ("measured"), the FLOP-ranked walk at one
-#: common keep-ratio ("flops"), or every eligible layer at keep_ratio ("uniform")
-POLICIES = ("measured", "flops", "uniform")
 #: the candidates ``method="auto"`` measures, per mode (see docs/planning.md)
 #: forward sampling keeps the papers' top-k (unbiased forward sampling compounds its noise through the layers
 #: above); the backward modes use WTA-CRS: on the char transformer top-k's bias cost 14–25% validation loss where
 #: WTA-CRS cost 3–12% at the same ratios (BENCHMARKS.md, planner calibration)
 AUTO_METHODS = {"forward": ("topk",), "backward": ("wta_crs",), "weight_grad": ("wta_crs",)}
-#: widths ``activation_bits`` accepts (32: through the hooks, uncompressed)
-ACTIVATION_BITS = (2, 4, 8, 32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,114 +279,7 @@ class ApproxConfig:
     lstm_block_steps: int = DEFAULT_BLOCK_STEPS
 
     def __post_init__(self) -> None:
-        if isinstance(self.leaf_modules, (str, type)) or not isinstance(self.leaf_modules, (tuple, list)):
-            raise TypeError(f"leaf_modules must be a tuple of module names or types, got {self.leaf_modules!r}")
-        for leaf in self.leaf_modules:
-            if not (isinstance(leaf, str) or (isinstance(leaf, type) and issubclass(leaf, nn.Module))):
-                raise TypeError(f"leaf_modules entries must be str or nn.Module subclasses, got {leaf!r}")
-        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
-        if not isinstance(self.strict_trace, bool):
-            raise TypeError(f"strict_trace must be a bool, got {self.strict_trace!r}")
-        if not isinstance(self.overrides, (tuple, list)):
-            raise TypeError(f"overrides must be a tuple of LayerOverride, got {self.overrides!r}")
-        for rule in self.overrides:
-            if not isinstance(rule, LayerOverride):
-                raise TypeError(f"overrides entries must be LayerOverride, got {rule!r}")
-        object.__setattr__(self, "overrides", tuple(self.overrides))
-        check_fraction("keep_ratio", self.keep_ratio)
-        check_fraction("min_keep_ratio", self.min_keep_ratio)
-        if self.min_keep_ratio > self.keep_ratio:
-            raise ValueError(f"min_keep_ratio ({self.min_keep_ratio}) must be <= keep_ratio ({self.keep_ratio})")
-        check_int("min_channels", self.min_channels, minimum=1)
-        check_int("min_k", self.min_k, minimum=1)
-        if self.mode is not None:
-            check_choice("mode", self.mode, MODES)
-        check_share("random_share", self.random_share)
-        if self.policy == "budget":
-            warnings.warn('ApproxConfig(policy="budget") is now called policy="flops"', DeprecationWarning,
-                          stacklevel=3)
-            object.__setattr__(self, "policy", "flops")
-        check_choice("policy", self.policy, POLICIES)
-        if isinstance(self.keep_ratios, (int, float)) or not isinstance(self.keep_ratios, (tuple, list)) \
-                or not self.keep_ratios:
-            raise TypeError(f"keep_ratios must be a non-empty tuple of keep-ratios in (0, 1), got {self.keep_ratios!r}")
-        for ratio in self.keep_ratios:
-            if check_fraction("keep_ratios entries", ratio) >= 1.0:
-                raise ValueError(f"keep_ratios entries must be in (0, 1), got {ratio!r}")
-        object.__setattr__(self, "keep_ratios", tuple(sorted(float(r) for r in set(self.keep_ratios))))
-        if self.max_grad_error is not None:
-            check_positive("max_grad_error", self.max_grad_error)
-        if self.min_speedup is not None:
-            check_positive("min_speedup", self.min_speedup)
-        if not isinstance(self.timing_cache, (bool, str)):
-            raise TypeError(f"timing_cache must be True, False or a directory path, got {self.timing_cache!r}")
-        check_int("measure_repeats", self.measure_repeats, minimum=1)
-        check_int("error_draws", self.error_draws, minimum=1)
-        if check_positive("noise_horizon", self.noise_horizon) < 1.0:
-            raise ValueError(f"noise_horizon must be >= 1, got {self.noise_horizon!r}")
-        if not isinstance(self.progress, bool):
-            raise TypeError(f"progress must be a bool, got {self.progress!r}")
-        check_choice("lstm_granularity", self.lstm_granularity, ("coarse", "fine"))
-        check_int("lstm_block_steps", self.lstm_block_steps, minimum=1)
-        if self.activation_bits is not None:
-            check_int("activation_bits", self.activation_bits, minimum=1)
-            if self.activation_bits not in ACTIVATION_BITS:
-                raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS} or None, "
-                                 f"got {self.activation_bits!r}")
-        check_int("activation_group_size", self.activation_group_size, minimum=8)
-        if self.activation_group_size % 8:
-            raise ValueError(f"activation_group_size must be a multiple of 8, got {self.activation_group_size!r}")
-        check_choice("activation_rounding", self.activation_rounding, ROUNDINGS)
-        check_int("activation_min_bytes", self.activation_min_bytes, minimum=0)
-        if not isinstance(self.activation_checkpoint, bool):
-            raise TypeError(f"activation_checkpoint must be a bool, got {self.activation_checkpoint!r}")
-        if not isinstance(self.activation_compile, bool):
-            raise TypeError(f"activation_compile must be a bool, got {self.activation_compile!r}")
-        check_choice("activation_policy", self.activation_policy, ("measured", "width"))
-        if self.activation_replan_every is not None:
-            check_int("activation_replan_every", self.activation_replan_every, minimum=1)
-        check_positive("backward_error_cost", self.backward_error_cost)
-        check_positive("forward_error_cost", self.forward_error_cost)
-        for name in ("backward_tail_factor", "forward_tail_factor"):
-            value = getattr(self, name)
-            if check_positive(name, value) > 1.0:
-                raise ValueError(f"{name} must be in (0, 1] (the share of the extra steps an exact tail leaves), "
-                                 f"got {value!r}")
-        if not isinstance(self.row_sampling, bool):
-            raise TypeError(f"row_sampling must be a bool, got {self.row_sampling!r}")
-        check_positive("variance_tau", self.variance_tau)
-        if self.row_check_every is not None:
-            check_int("row_check_every", self.row_check_every, minimum=1)
-        if isinstance(self.token_ratios, (int, float)) or not isinstance(self.token_ratios, (tuple, list)) \
-                or not self.token_ratios:
-            raise TypeError(f"token_ratios must be a non-empty tuple of shares in (0, 1], got {self.token_ratios!r}")
-        for ratio in self.token_ratios:
-            check_fraction("token_ratios entries", ratio)
-        object.__setattr__(self, "token_ratios", tuple(sorted({float(r) for r in self.token_ratios}, reverse=True)))
-        if self.max_forward_kl is not None:
-            check_positive("max_forward_kl", self.max_forward_kl)
-        if self.min_gain is not None:
-            check_positive("min_gain", self.min_gain)
-        if self.check_every is not None:
-            check_int("check_every", self.check_every, minimum=1)
-        check_positive("divergence_error", self.divergence_error)
-        for name in ("check_replan", "check_verbose", "plan_check"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.schedule is not None:
-            check_choice("schedule", self.schedule, SCHEDULES)
-        if self.total_steps is not None:
-            check_int("total_steps", self.total_steps, minimum=1)
-        check_share("exact_fraction", self.exact_fraction)
-        if self.schedule in ("mixed", "anneal") and self.total_steps is None:
-            raise ValueError(f"schedule={self.schedule!r} needs total_steps=N, the number of training steps of the "
-                             f"run (its exact tail is the last exact_fraction of them)")
-        if self.schedule == "noise" and self.check_every is None:
-            raise ValueError("schedule='noise' measures the gradient noise scale at the guard's checks: set "
-                             "check_every (e.g. 50), or choose schedule='mixed' or 'anneal'")
-        if not (isinstance(self.activation_recompute, bool) or self.activation_recompute in ("linear", "auto")):
-            raise ValueError("activation_recompute must be True, False, 'linear' or 'auto', got "
-                             f"{self.activation_recompute!r}")
+        validate(self)
 
     @classmethod
     def paper_recipe(cls, keep_ratio: float = 0.5, min_channels: int = 64, **kwargs) -> "ApproxConfig":
