@@ -20,7 +20,7 @@ from fxapprox.errors import TraceError
 from fxapprox.ops.sampling import METHODS
 from fxapprox.passes.analysis.rank import rank_layers
 from fxapprox.passes.capture.regions import hidden_layers, hidden_layers_root, untraceable_root
-from fxapprox.passes.capture.trace import UNTRACED_KEY, trace_both_modes
+from fxapprox.passes.capture.trace import EXACT_EVAL_KEY, UNTRACED_KEY, trace_both_modes
 from fxapprox.passes.capture.training_flags import follow_training_mode
 from fxapprox.passes.measurement.candidates import enumerate_candidates
 from fxapprox.passes.measurement.measure_candidates import measure_candidates
@@ -38,7 +38,7 @@ from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.runtime.graph_pickle import reduce_graph_module
 from fxapprox.runtime.model import ApproxRuntime, _shapes
-from fxapprox.runtime.model_state import ModelState
+from fxapprox.runtime.model_state import ExactEval, ModelState
 
 
 class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
@@ -47,6 +47,14 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
     ``eval()`` computes exactly what the original model computes; ``state_dict()``
     has the original keys.
     """
+
+    def recompile(self):
+        code = super().recompile()
+        state = self.__dict__.get("_fxapprox_state")
+        if state is not None and state.exact_eval is not None \
+                and not getattr(type(self).forward, "fxapprox_dispatching", False):
+            type(self).forward = ExactEval.dispatching_forward(type(self).forward)
+        return code
 
     def _fxapprox_setup(self, *, budget: float, memory_budget: float | None, method: str, config: ApproxConfig,
                         model_name: str) -> None:
@@ -147,6 +155,8 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
             memo[id(check)] = None
         result = super().__deepcopy__(memo)
         result._fxapprox_state = copy.deepcopy(self._portable_state(), memo)
+        if result._fxapprox_state.exact_eval is not None:
+            result.recompile()   # the evaluation dispatch reads the state
         return result
 
     def __reduce__(self):
@@ -216,7 +226,8 @@ def approximate(model: nn.Module, budget: float | str = "auto", *, example_input
     model_name = type(model).__name__ if not isinstance(model, torch.fx.GraphModule) else \
         getattr(model, "_fxapprox_model_name", type(model).__name__)
     try:
-        traced, counterpart = trace_both_modes(model, config.leaf_modules, strict=config.strict_trace)
+        traced, counterpart = trace_both_modes(model, config.leaf_modules, strict=config.strict_trace,
+                                               torch_transformers=True)
     except TraceError as error:
         if config.strict_trace or error.module_path != "<root>":
             raise
@@ -240,11 +251,18 @@ def approximate(model: nn.Module, budget: float | str = "auto", *, example_input
             approx.plan_from(*args, **kwargs)
         return approx
     traced = follow_training_mode(traced, counterpart, training=model.training)
+    if EXACT_EVAL_KEY in traced.meta:   # the evaluation graph's own traced flags (F.dropout(training=...)) too
+        follow_training_mode(traced.meta[EXACT_EVAL_KEY], None if counterpart is None else
+                             counterpart.meta.get(EXACT_EVAL_KEY), training=model.training)
     approx = ApproxGraphModule(traced, traced.graph, class_name=model_name)
     approx.meta.update(traced.meta)
     approx.training = model.training
     approx._fxapprox_setup(budget=budget, memory_budget=memory_budget, method=method, config=config,
                            model_name=model_name)
+    exact_eval = approx.meta.pop(EXACT_EVAL_KEY, None)
+    if exact_eval is not None:
+        approx._fxapprox_state.exact_eval = ExactEval(exact_eval)
+        approx.recompile()
     if example_inputs is not None:
         approx.plan_from(*args, **kwargs)
     return approx

@@ -301,7 +301,10 @@ def select_pairs(method: str, scores: torch.Tensor, k: int,
     except KeyError:
         allowed = ", ".join(repr(m) for m in sorted(METHODS))
         raise ValueError(f"method must be one of {allowed}, got {method!r}") from None
-    random_share = check_share("random_share", random_share)
+    if not torch.compiler.is_compiling():
+        # under torch.compile a share that differs between layers is a symbolic float, which math.isnan cannot
+        # take; the plan's SamplingSpec checked it already
+        random_share = check_share("random_share", random_share)
     if current().isolate_draws:
         # A guarded step (fxapprox.runtime.guard): draw from a fork of the RNG, so that the layers' dropout draws the
         # same masks as in the exact reference pass, which replays the step from the same RNG state.

@@ -61,6 +61,9 @@ class ApproxRuntime(GuardRuntime, RowRuntime):
             self.plan_from(*args, **kwargs)
         training = state.enabled and self.training and torch.is_grad_enabled()
         if state.in_reference or not training:
+            if state.exact_eval is not None and not (self.training and torch.is_grad_enabled()):
+                with state.exact_eval.calling():   # the module's hooks run; its forward runs the exact graph
+                    return super().__call__(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         if not torch.compiler.is_compiling():
             return self._training_call(args, kwargs)

@@ -3,14 +3,74 @@ what training has done since."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+import torch.fx
 
 from fxapprox.config import ApproxConfig
 from fxapprox.runtime.guard import TrainingHistory
 
-__all__ = ["ModelState", "check_loaded"]
+__all__ = ["ExactEval", "ModelState", "check_loaded"]
+
+
+class ExactEval:
+    """What evaluation runs for a model traced through torch's transformer modules
+    (:mod:`fxapprox.passes.capture.torch_transformer`): the model traced with those modules whole, so that they
+    run torch's own forward (its inference fast path and nested tensors included) on the approximated model's
+    parameters and buffers.
+
+    The model's own call stays the entry (its hooks — FSDP2's unsharding among them — run): inside
+    :meth:`calling`, :meth:`dispatching_forward` runs this graph instead of the training graph. The two graphs
+    share their tensors; before each call the ones the approximated model holds now (an optimizer steps them in
+    place, but ``load_state_dict(assign=True)``, ``to_empty`` or FSDP2 replace them) are put where the evaluation
+    graph's modules read them."""
+
+    def __init__(self, module: torch.fx.GraphModule) -> None:
+        self.module = module
+        self.active = False
+        self._tensors = [(name.rpartition(".")[0], name.rpartition(".")[2])
+                         for name, _ in [*module.named_parameters(remove_duplicate=False),
+                                         *module.named_buffers(remove_duplicate=False)]]
+
+    @contextlib.contextmanager
+    def calling(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def __call__(self, owner: torch.nn.Module, args: tuple, kwargs: dict):
+        self._share(owner)
+        if self.module.training != owner.training:
+            self.module.train(owner.training)
+        return self.module(*args, **kwargs)
+
+    @staticmethod
+    def dispatching_forward(forward):
+        """``forward`` (a ``GraphModule``'s generated code) running the owner's :class:`ExactEval` while it is
+        :meth:`calling`."""
+        @functools.wraps(forward)
+        def dispatching(self, *args, **kwargs):
+            exact = self._fxapprox_state.exact_eval
+            if exact.active:
+                return exact(self, args, kwargs)
+            return forward(self, *args, **kwargs)
+        dispatching.fxapprox_dispatching = True
+        return dispatching
+
+    def _share(self, owner: torch.nn.Module) -> None:
+        for prefix, name in self._tensors:
+            mine, theirs = self.module.get_submodule(prefix), owner.get_submodule(prefix)
+            current = getattr(theirs, name)
+            if getattr(mine, name) is not current:
+                registry = mine._parameters if name in mine._parameters else mine._buffers
+                registry[name] = current
 
 
 @dataclass
@@ -66,10 +126,14 @@ class ModelState:
     row_sampler: Any = None
     row_forward: Any = None
     rows_off: bool = False
+    #: a model traced through torch's transformer modules: what evaluation runs (:class:`ExactEval`), else ``None``
+    exact_eval: ExactEval | None = None
 
     def portable(self) -> "ModelState":
         """A copy without the check in flight (its hooks belong to this module's tensors) and without the noise
         schedule's held gradients (the next pair of checks starts afresh), for copies and pickles."""
+        if self.exact_eval is not None:
+            self.exact_eval.active = False
         return dataclasses.replace(self, check=None, in_reference=False, noise_pending=None, checkpointed=None,
                                    compiled_saving=None, row_forward=None, rows_off=False)
 

@@ -13,10 +13,15 @@ from fxapprox.pipeline.records import node_summary
 
 
 def target_name(node: torch.fx.Node) -> str:
-    """A readable name for a node's target (``torch.matmul``, ``layer1.0.conv1``, ...)."""
+    """A readable name for a node's target (``torch.matmul``, ``layer1.0.conv1``, ...); a functional linear layer
+    on a parameter is named by it (``F.linear`` on ``blocks.0.attn.in_proj_weight``: ``blocks.0.attn.in_proj_weight
+    (linear)``), so that the plan tells apart the layers it samples."""
     target = node.target
     if isinstance(target, str):
         return target
+    if getattr(target, "__name__", None) == "linear" and len(node.args) > 1 \
+            and isinstance(node.args[1], torch.fx.Node) and node.args[1].op == "get_attr":
+        return f"{node.args[1].target} (linear)"
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
     if module in ("_operator", "operator"):

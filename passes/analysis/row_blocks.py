@@ -85,8 +85,8 @@ class RowBlock:
 
 def node_path(node: torch.fx.Node) -> str:
     """The module path ``node`` runs in (``""``: the model's own code)."""
-    if node.op == "call_module":
-        return node.target
+    if node.op == "call_module" and not node.target.startswith("fxapprox_"):
+        return node.target   # (fxapprox's own modules — a mode-following call, a sampled F.linear — sit at the root)
     eager_path = getattr(node.target, "path", None)
     if isinstance(eager_path, str) and type(node.target).__name__ == "EagerCode":
         return eager_path

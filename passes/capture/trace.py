@@ -29,6 +29,7 @@ from torch import nn
 
 from fxapprox.errors import TraceError
 from fxapprox.op_kinds.builtin import hf_conv1d_class
+from fxapprox.passes.capture.torch_transformer import training_forward
 
 # nn.RNNBase also covers ApproxLSTM (an RNNBase with nn.LSTM's methods, see fxapprox.runtime.modules)
 RECURRENT_MODULES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.RNNBase)
@@ -63,13 +64,17 @@ class UntracedModule:
 
 class ApproxTracer(torch.fx.Tracer):
     """A ``torch.fx.Tracer`` that keeps recurrent modules, HF ``Conv1D``, named modules and libraries' no-trace
-    modules as leaves and wraps libraries' no-trace functions."""
+    modules as leaves and wraps libraries' no-trace functions. With ``torch_transformers``, torch's own
+    transformer modules are traced through their training computation
+    (:mod:`fxapprox.passes.capture.torch_transformer`; the paths in ``self.traced_through``) instead of kept whole."""
 
-    def __init__(self, leaf_modules: tuple[str | type, ...] = ()) -> None:
+    def __init__(self, leaf_modules: tuple[str | type, ...] = (), torch_transformers: bool = False) -> None:
         library_modules, library_functions = library_notrace()
         super().__init__(autowrap_functions=library_functions)
         self.leaf_names = {leaf for leaf in leaf_modules if isinstance(leaf, str)}
         self.leaf_types = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type)) + library_modules
+        self.torch_transformers = torch_transformers
+        self.traced_through: list[str] = []
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, RECURRENT_MODULES) or isinstance(m, self.leaf_types) \
@@ -77,7 +82,17 @@ class ApproxTracer(torch.fx.Tracer):
             return True
         if module_qualified_name in self.leaf_names:
             return True
+        if self.torch_transformers and training_forward(m) is not None:
+            return False
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):
+        if self.torch_transformers and not self.is_leaf_module(m, self.path_of_module(m)):
+            traced_forward = training_forward(m)
+            if traced_forward is not None:
+                self.traced_through.append(self.path_of_module(m))
+                forward = traced_forward
+        return super().call_module(m, forward, args, kwargs)
 
 
 def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
@@ -98,14 +113,21 @@ def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
 
 #: ``GraphModule.meta`` key under which :func:`trace` lists the :class:`UntracedModule` s
 UNTRACED_KEY = "fxapprox_untraced"
+#: ``GraphModule.meta`` keys set by :func:`trace` with ``torch_transformers`` when it traced through torch's
+#: transformer modules: their paths, and the model traced with them whole (sharing the modules and parameters),
+#: which evaluation runs (torch's own forward, fast path included)
+TRACED_THROUGH_KEY = "fxapprox_torch_transformers"
+EXACT_EVAL_KEY = "fxapprox_exact_eval"
 
 
 def trace(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: bool = False, *,
-          copy_model: bool = True, concrete_args: dict | None = None) -> torch.fx.GraphModule:
+          copy_model: bool = True, concrete_args: dict | None = None,
+          torch_transformers: bool = False) -> torch.fx.GraphModule:
     """Trace ``model`` (which is not modified) into a new ``GraphModule``.
 
     A ``GraphModule`` is taken as already traced and deep-copied as it is. Submodules that fail to trace
-    become leaves (listed in ``gm.meta[UNTRACED_KEY]``) unless ``strict``.
+    become leaves (listed in ``gm.meta[UNTRACED_KEY]``) unless ``strict``. ``torch_transformers``: see
+    :class:`ApproxTracer` and :data:`EXACT_EVAL_KEY`.
 
     Example::
 
@@ -122,7 +144,7 @@ def trace(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: b
     leaves = tuple(leaf_modules)
     # Each failure names one more module to keep whole; a model has finitely many.
     for _ in range(sum(1 for _ in model.modules()) + 1):
-        tracer = ApproxTracer(leaves)
+        tracer = ApproxTracer(leaves, torch_transformers)
         try:
             graph = tracer.trace(model, concrete_args)
         except Exception as error:
@@ -135,6 +157,11 @@ def trace(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: b
             continue
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
         gm.meta[UNTRACED_KEY] = tuple(untraced)
+        if tracer.traced_through:
+            whole = ApproxTracer(leaves)   # the same model with torch's modules whole: what evaluation runs
+            whole_graph = whole.trace(model, concrete_args)
+            gm.meta[EXACT_EVAL_KEY] = torch.fx.GraphModule(whole.root, whole_graph, type(model).__name__)
+            gm.meta[TRACED_THROUGH_KEY] = tuple(tracer.traced_through)
         return gm
     raise AssertionError("unreachable: every module was made a leaf")  # pragma: no cover
 
@@ -160,8 +187,8 @@ ROOT_MODE_DEPENDENT_KEY = "fxapprox_root_mode_dependent"
 
 
 def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = (), strict: bool = False, *,
-                     copy_model: bool = True,
-                     concrete_args: dict | None = None) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:
+                     copy_model: bool = True, concrete_args: dict | None = None,
+                     torch_transformers: bool = False) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:
     """:func:`trace` ``model`` in its mode and in the other one, with the same leaves.
 
     A submodule whose own traced code differs between the two (``if self.training:`` around a drop path,
@@ -170,9 +197,11 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
     :func:`~fxapprox.passes.capture.training_flags.follow_training_mode` tell mode-dependent constants from real
     ones; it is ``None`` for a ready GraphModule or when the other mode does not trace (or branches in the
     root module's own code). ``copy_model=False``: the result shares ``model``'s submodules and parameters;
-    ``concrete_args`` are torch.fx's (arguments traced as the given constants).
+    ``concrete_args`` are torch.fx's (arguments traced as the given constants); ``torch_transformers``: see
+    :func:`trace`.
     """
-    gm = trace(model, leaf_modules, strict, copy_model=copy_model, concrete_args=concrete_args)
+    gm = trace(model, leaf_modules, strict, copy_model=copy_model, concrete_args=concrete_args,
+               torch_transformers=torch_transformers)
     if isinstance(model, torch.fx.GraphModule):
         return gm, None
     leaves = tuple(leaf_modules) + tuple(u.module for u in gm.meta[UNTRACED_KEY])
@@ -181,7 +210,7 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
     for _ in range(sum(1 for _ in model.modules()) + 1):
         try:
             other = trace(other_model, leaves, strict=True, copy_model=False,   # a copy already
-                          concrete_args=concrete_args)
+                          concrete_args=concrete_args, torch_transformers=torch_transformers)
         except Exception:   # noqa: BLE001 — traces in this mode only: training flags are told by name
             return gm, None
         mine, theirs = _module_code(gm), _module_code(other)
@@ -197,7 +226,8 @@ def trace_both_modes(model: nn.Module, leaf_modules: tuple[str | type, ...] = ()
             module_type = type(model.get_submodule(path)).__name__
             untraced.append(UntracedModule(path, module_type, MODE_DEPENDENT, None))
         leaves = leaves + tuple(differing)
-        gm = trace(model, leaves, strict, copy_model=copy_model, concrete_args=concrete_args)
+        gm = trace(model, leaves, strict, copy_model=copy_model, concrete_args=concrete_args,
+                   torch_transformers=torch_transformers)
         untraced += gm.meta[UNTRACED_KEY]   # only new failures: the known ones are leaves now
         leaves += tuple(u.module for u in gm.meta[UNTRACED_KEY])
     return gm, None  # pragma: no cover

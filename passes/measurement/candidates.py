@@ -30,6 +30,8 @@ import torch.fx
 from fxapprox.config import AUTO_METHODS, ApproxConfig
 from fxapprox.op_kinds.registry import handler_for, kept_count
 from fxapprox.passes.analysis.graph_view import target_name
+from fxapprox.passes.capture.torch_transformer import kept_whole_reason
+from fxapprox.passes.capture.training_flags import ModeFollowingCall
 from fxapprox.pipeline.records import CANDIDATES_KEY, EAGER_REASON_KEY, Candidate, LayerCandidates, kind_of, train_flops
 
 __all__ = ["enumerate_candidates", "layer_names", "parameterised", "planned_layers"]
@@ -79,8 +81,12 @@ def _blocker(gm: torch.fx.GraphModule, node: torch.fx.Node, config: ApproxConfig
     if handler is None:
         if kind.unsupported is not None:
             return kind.unsupported
+        if isinstance(_module(gm, node), ModeFollowingCall):   # a traced function whose flag follows the mode
+            function = _module(gm, node).function
+            return f"{getattr(function, '__qualname__', function)}: no sampled version of this op"
         if node.op == "call_module":
-            return f"opaque leaf module ({kind.module_type}): its inside is not traced"
+            whole = kept_whole_reason(_module(gm, node))   # torch's transformer modules: why this one stays whole
+            return whole or f"opaque leaf module ({kind.module_type}): its inside is not traced"
         return f"{target_name(node)}: no sampled version of this op"
     reason = handler.blocker(gm, node)
     if reason is not None:

@@ -128,8 +128,10 @@ def traced_block_runs(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict[str
     with torch.no_grad():
         interpreter.run(*inputs)
     for name, unit in units.items():
-        args = unit.call_args(gm, [interpreter.values[i] for i in unit.inputs])
-        batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2), 0)
+        values = [interpreter.values[i] for i in unit.inputs]
+        args = unit.call_args(gm, values)
+        # the batch is the inputs' (the block's parameters come first in args: a packed weight is 2-D too)
+        batch = next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), 0)
         runs[name] = BlockRun(unit.code, args, {}, batch)
     return runs, unrunnable
 
