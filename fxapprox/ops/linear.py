@@ -52,11 +52,13 @@ def scatter_columns(values: torch.Tensor, kept: torch.Tensor, columns: int) -> t
 
 
 def _scaled(tensor: torch.Tensor, scale: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """``tensor`` scaled along ``dim``, **in place**: every caller passes a tensor it has just made (a gather, a
+    product), and a second full-size result would be one more allocation whose pages fault in every step."""
     if scale is None:
         return tensor
     shape = [1] * tensor.dim()
     shape[dim] = -1
-    return tensor * scale.to(tensor.dtype).view(shape)
+    return tensor.mul_(scale.to(tensor.dtype).view(shape))
 
 
 #: what a forward-sampled layer keeps of its input for backward: the input itself (a reference: free when
