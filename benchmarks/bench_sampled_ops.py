@@ -15,14 +15,17 @@ of the approximate step spent scoring and choosing pairs of forward-sampled laye
 Cases: ``Linear(2048, 2048)`` on 512 rows and ``Conv2d(256, 256, 3)`` on 16×256×28², each with the default measured
 plan and with the FLOP-ranked forward top-k plan (the papers' op); ResNet-50 at batch 16, 160²; the character
 transformer of ``examples/char_transformer.py`` (4 blocks, d=256, 16×128 tokens) and the Hugging Face Llama LM of
-``examples/llama_lm.py`` (6 blocks, d=384, 8×128 tokens), each with the default measured plan and with the measured
+``examples/llama_lm.py`` (6 blocks, d=384, 8×128 tokens) and a language model on torch's own
+``nn.TransformerEncoder`` (4 batch-first ``nn.TransformerEncoderLayer`` s, d=256, 16×128 tokens, causal mask), each
+with the default measured plan and with the measured
 plan restricted to forward sampling (``ApproxConfig(mode="forward")``), and with the row family (``rows``: the
 budget spent by sampling the rows of every block's backward, forward exact, ``ApproxConfig(max_forward_kl=None)``;
 ``rows 0.5``: every block's backward on half the samples, weight gradients exact). The default plan's modes are the
 pay-off model's choice; the forward rows show what the sampled ops give where every sampled GEMM shrinks.
 
 Usage: python benchmarks/bench_sampled_ops.py [--repetitions 15] [--budgets 0.5] [--cases linear,conv,...] [--write]
-``--write`` puts the table into BENCHMARKS.md (section ``sampled_ops``) and docs/speed.md.
+``--write`` puts the table into BENCHMARKS.md (section ``sampled_ops``) and docs/speed.md; with ``--cases`` the
+rows of the cases not run are kept from the table there.
 """
 
 from __future__ import annotations
@@ -155,6 +158,30 @@ def _llama_lm():
     return (lambda: llama_lm.build(96, "full", 128), {"input_ids": ids, "labels": ids}, lambda out: out.loss)
 
 
+class TorchEncoderLM(nn.Module):
+    """A causal language model on torch's own ``nn.TransformerEncoder`` (what tutorials write)."""
+
+    def __init__(self, vocab: int = 96, d: int = 256, layers: int = 4, heads: int = 4, length: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.position = nn.Parameter(torch.zeros(1, length, d))
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(length), persistent=False)
+
+    def forward(self, tokens):
+        hidden = self.embed(tokens) + self.position[:, : tokens.shape[1]]
+        return self.head(self.encoder(hidden, mask=self.causal, is_causal=True))
+
+
+def _torch_encoder():
+    tokens = torch.randint(0, 96, (16, 128), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 96, (16, 128), generator=torch.Generator().manual_seed(2))
+    return TorchEncoderLM, (tokens,), lambda y: F.cross_entropy(y.flatten(0, 1), targets.flatten())
+
+
 def cases(selected: set):
     linear_x = torch.randn(512, 2048, requires_grad=True)
     conv_x = torch.randn(16, 256, 28, 28, requires_grad=True)
@@ -180,6 +207,10 @@ def cases(selected: set):
         build, inputs, loss = _llama_lm()
         for policy in ("measured", "forward", "rows", "rows 0.5"):
             yield "Llama LM (examples, HF), d=384, 6 blocks, 8x128", build, inputs, loss, policy
+    if "torch_encoder" in selected:
+        build, inputs, loss = _torch_encoder()
+        for policy in ("measured", "forward", "rows"):
+            yield "nn.TransformerEncoder LM, d=256, 4 layers, 16x128", build, inputs, loss, policy
 
 
 HEADERS = ["case", "plan", "budget", "planned FLOPs", "sampled", "exact ms", "approx ms", "speed-up",
@@ -207,11 +238,31 @@ def _write_docs(table: str) -> None:
     path.write_text(pattern.sub(lambda _: f"{begin}\n{table}\n{end}", text))
 
 
+def _with_rows_not_run(rows: list[list[str]]) -> list[list[str]]:
+    """``rows`` and, in the table's order, the rows of BENCHMARKS.md's table whose case was not run now."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    section = re.search(r"<!-- bench:sampled_ops -->(.*?)<!-- /bench:sampled_ops -->", text, re.S)
+    if section is None:
+        return rows
+    run = {row[0] for row in rows}
+    merged, placed = [], set()
+    for line in section.group(1).splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or cells[0] == HEADERS[0] or len(cells) != len(HEADERS):
+            continue
+        if cells[0] not in run:
+            merged.append(cells)
+        elif cells[0] not in placed:   # the new rows where the case's old ones were
+            merged += [row for row in rows if row[0] == cells[0]]
+            placed.add(cells[0])
+    return merged + [row for row in rows if row[0] not in placed]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repetitions", type=int, default=15)
     parser.add_argument("--budgets", default="0.5")
-    parser.add_argument("--cases", default="linear,conv,resnet50,char_transformer,llama")
+    parser.add_argument("--cases", default="linear,conv,resnet50,char_transformer,llama,torch_encoder")
     parser.add_argument("--write", action="store_true", help="write BENCHMARKS.md and docs/speed.md")
     args = parser.parse_args()
     rows = []
@@ -224,10 +275,12 @@ def main():
             rows.append(_row(result))
     print_table("train step (fwd + bwd + SGD), paired medians of interleaved rounds", HEADERS, rows)
     if args.write:
-        table = markdown_table(HEADERS, rows)
+        table = markdown_table(HEADERS, _with_rows_not_run(rows))
         write_section("sampled_ops", "\n\n".join([
             "## Sampled Linear / Conv2d / ResNet-50 / transformer train steps",
-            f"`python benchmarks/bench_sampled_ops.py --repetitions {args.repetitions} --write` on {machine_line()}. "
+            f"`python benchmarks/bench_sampled_ops.py --repetitions {args.repetitions} --write` on {machine_line()}"
+            + (f" (last run: `--cases {args.cases}`; the other rows are from an earlier run of the script). "
+               if args.cases != parser.get_default("cases") else ". ") +
             "Train step = forward + backward + SGD step; single layers take an input that requires grad (all "
             "three GEMMs run). Speed-up: median over interleaved rounds of the paired exact ÷ approximate ratio. "
             "Amdahl bound = 1 / (1 − s·(1 − f)), s the FLOP-counted kernels' share of the exact step "

@@ -219,7 +219,8 @@ def test_encoder_layers_are_row_blocks_when_batch_first():
     """The row family samples whole encoder layers (the samples are every projection's first dimension when the
     module is batch-first); sequence-first layers mix the samples' positions and are refused, with the reason."""
     torch.manual_seed(0)
-    args = (_ids(16, 16), None, None)
+    # a causal (T, S) mask reaches each layer before its activations: the batch is still the activations' B
+    args = (_ids(16, 12), nn.Transformer.generate_square_subsequent_mask(12), None)
     fine_tuning = fxapprox.ApproxConfig(max_forward_kl=1e-6, check_verbose=False, row_check_every=None)
     model = Encoder()
     approx = fxapprox.approximate(model, BUDGET, example_inputs=args, config=fine_tuning)

@@ -248,8 +248,10 @@ def sampling(sampler: RowSampler | None) -> bool:
 
 
 def batch_of(values) -> int:
-    """The batch: the first dimension of the first tensor argument with at least two dimensions."""
-    return next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), 0)
+    """The batch: the first dimension of the tensor argument with the most dimensions (at least two; the first of
+    those): a block's activations (B, T, D), not a (T, S) attention mask passed before them."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2]
+    return max(tensors, key=lambda v: v.dim()).shape[0] if tensors else 0
 
 
 class RowSampledBlock(nn.Module):

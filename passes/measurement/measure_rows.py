@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxapprox.ops.rows import is_cache
+from fxapprox.ops.rows import batch_of, is_cache
 from fxapprox.passes.analysis.row_blocks import ROW_BLOCKS_KEY, RowBlock, row_blocks_of, with_blocker
 
 __all__ = ["BlockRun", "eager_block_runs", "forward_disruption", "probe_row_block", "probe_row_blocks",
@@ -130,8 +130,7 @@ def traced_block_runs(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict[str
     for name, unit in units.items():
         values = [interpreter.values[i] for i in unit.inputs]
         args = unit.call_args(gm, values)
-        # the batch is the inputs' (the block's parameters come first in args: a packed weight is 2-D too)
-        batch = next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), 0)
+        batch = batch_of(values)   # the inputs' (the block's parameters come first in args: a packed weight is 2-D)
         runs[name] = BlockRun(unit.code, args, {}, batch)
     return runs, unrunnable
 
@@ -150,7 +149,7 @@ def eager_block_runs(model, gm: torch.fx.GraphModule, received: dict) -> tuple[d
             unrunnable[block.name] = f"its module is called {record.calls} times in one forward"
             continue
         values = list(record.args) + list(record.kwargs.values())
-        batch = next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), 0)
+        batch = batch_of(values)
         runs[block.name] = BlockRun(model.get_submodule(block.name), tuple(record.args), dict(record.kwargs), batch)
     return runs, unrunnable
 
