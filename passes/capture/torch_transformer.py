@@ -8,11 +8,14 @@ attention, the out-projection module, the feed-forward modules. :func:`training_
 those types, that computation written so that torch.fx traces it — the projections and feed-forward layers become
 ordinary nodes of the plan — with everything that looks at the inputs' values, dtypes or ranks in functions
 ``torch.fx.wrap`` keeps whole (``_canonical_mask``, ``_causal_hint``, ``mha_attention`` …). ``nn.TransformerDecoder``
-and ``nn.TransformerDecoderLayer`` need only the first. Each reproduces torch's slow path op for op (same
-operations, same order), so a plan that samples nothing computes bit for bit what torch computes in training.
+and ``nn.TransformerDecoderLayer`` need only the first. Each reproduces torch's slow path op for op, so a plan that
+samples nothing computes torch's training forward bit for bit — except that a batch-first module's projections
+keep the samples as their first dimension (the row family samples them), so their weight gradients sum the same
+products in another order (equal to rounding).
 
-Evaluation is torch's own forward, fast path included: :func:`trace` also traces the model with these modules
-whole, and the approximated model evaluates through that graph (:mod:`fxapprox.runtime.exact_eval`).
+Evaluation is torch's own forward, fast path included: :func:`~fxapprox.passes.capture.trace.trace` also traces
+the model with these modules whole, and the approximated model evaluates through that graph
+(:class:`fxapprox.runtime.model_state.ExactEval`).
 
 A module whose type overrides ``forward`` (a user's subclass) or uses what the slow path handles outside the
 projections (``add_bias_kv``, ``add_zero_attn``) stays whole, and :func:`kept_whole_reason` says why.
