@@ -9,6 +9,8 @@ Configurations, per model:
 * ``selective`` — the same blocks under selective activation checkpointing
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) with a save-matmuls policy: matmul, attention
   and convolution outputs saved, everything else recomputed;
+* ``gradient_checkpointing`` / ``gradient_checkpointing reentrant`` — Hugging Face models' own
+  ``model.gradient_checkpointing_enable()`` (``use_reentrant`` False / True), what their users call;
 * ``compile B`` — ``torch.compile`` with ``torch._functorch.config.activation_memory_budget = B`` (the
   partitioner's knapsack over what to recompute), where it compiles on this machine;
 * ``fxapprox M`` — ``fxapprox.approximate(model, 1.0, memory_budget=M)`` (the compute stays exact: only what is
@@ -176,6 +178,12 @@ def checkpointed(model: nn.Module, selective: bool) -> nn.Module:
     return model
 
 
+def hf_checkpointed(model: nn.Module, reentrant: bool) -> nn.Module:
+    """``model.gradient_checkpointing_enable()`` as a Hugging Face user calls it (``use_reentrant`` given)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model
+
+
 def compiled(model: nn.Module, budget: float):
     """``torch.compile(model)`` with ``activation_memory_budget=budget``, compiled now (the budget is read when the
     backward graph is partitioned). Dynamo caches compiled code on the forward's code object, so a second model of
@@ -214,6 +222,9 @@ def _configurations(name: str, build, args, kwargs, quick: bool) -> dict:
     use_compile = MODELS[name][3]
     configs = {"exact": lambda: build(), "checkpoint": lambda: checkpointed(build(), False),
                "selective": lambda: checkpointed(build(), True)}
+    if hasattr(build(), "gradient_checkpointing_enable"):   # a Hugging Face model: its own checkpointing too
+        configs["gradient_checkpointing"] = lambda: hf_checkpointed(build(), False)
+        configs["gradient_checkpointing reentrant"] = lambda: hf_checkpointed(build(), True)
     if use_compile:
         for budget in COMPILE_BUDGETS[:1] if quick else COMPILE_BUDGETS:
             configs[f"compile {budget:g}"] = functools.partial(lambda b: compiled(build(), b), budget)
@@ -394,9 +405,9 @@ def plot(result: dict, path: Path) -> None:
             continue
         kind = label.split()[0]
         marker = {"exact": "o", "checkpoint": "s", "selective": "D", "compile": "^", "fxapprox": "*",
-                  "fxapprox+compile": "P"}[kind]
+                  "fxapprox+compile": "P", "gradient_checkpointing": "v"}[kind]
         color = {"exact": "black", "checkpoint": "tab:blue", "selective": "tab:green", "compile": "tab:purple",
-                 "fxapprox": "tab:red", "fxapprox+compile": "tab:orange"}[kind]
+                 "fxapprox": "tab:red", "fxapprox+compile": "tab:orange", "gradient_checkpointing": "tab:cyan"}[kind]
         ax.scatter(row["peak"] / 2**20, row["time"], marker=marker, color=color,
                    s=80 if kind.startswith("fxapprox") else 50)
         ax.annotate(label, (row["peak"] / 2**20, row["time"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
