@@ -487,21 +487,46 @@ def _split(table: str) -> tuple[list[str], list[list[str]]]:
     return [c.strip() for c in lines[0]], [[c.strip() for c in line] for line in lines[2:]]
 
 
+def _written_subsections() -> dict[str, str]:
+    """The ``### `` subsections of docs/memory_frontier.md's written block, by heading, in order (image paths
+    marked ``PLOTS/`` again)."""
+    text = DOC.read_text() if DOC.exists() else ""
+    begin, end = "<!-- memory_frontier:begin -->", "<!-- memory_frontier:end -->"
+    if begin not in text:
+        return {}
+    block = text[text.index(begin) + len(begin):text.index(end)].replace("](memory_frontier_",
+                                                                          "](PLOTS/memory_frontier_")
+    chunks = ["### " + chunk for chunk in block.split("\n### ")[1:]]
+    return {chunk.splitlines()[0]: chunk.strip() for chunk in chunks}
+
+
 def _write(sections, frontiers, batch_rows, quality_rows, options) -> None:
-    parts = [f"Measured by `benchmarks/bench_memory_frontier.py` on {machine_line()}; "
-             f"{options.repetitions} interleaved rounds per model."]
+    """Write the tables and plots; the subsections of models (and of the batch and quality runs) not measured in
+    this run are kept from the written page."""
+    written = {}
     for name, table in sections:
-        parts.append(f"### {TITLES[name]}\n\n{table}\n\n" + "\n".join(f"- {line}" for line in
-                                                                     _frontier_verdict(frontiers[name])))
+        heading = f"### {TITLES[name]}"
         plot(frontiers[name], HERE.parent / "docs" / f"memory_frontier_{name}.png")
-        parts.append(f"![{name}](PLOTS/memory_frontier_{name}.png)")
+        written[heading] = (f"{heading}\n\n{table}\n\n" + "\n".join(f"- {line}" for line in
+                                                                     _frontier_verdict(frontiers[name]))
+                            + f"\n\n![{name}](PLOTS/memory_frontier_{name}.png)")
     if batch_rows:
-        parts.append("### Fit a bigger batch (4-block transformer, under exact's peak growth at batch 16)\n\n"
-                     + markdown_table(["configuration", "batch", "tokens/s", "throughput vs exact"], batch_rows))
+        heading = "### Fit a bigger batch (4-block transformer, under exact's peak growth at batch 16)"
+        written[heading] = heading + "\n\n" + markdown_table(
+            ["configuration", "batch", "tokens/s", "throughput vs exact"], batch_rows)
     if quality_rows:
-        parts.append("### Validation loss at equal steps\n\n"
-                     + markdown_table(["workload", "steps", "configuration", "final val loss", "vs exact"],
-                                      quality_rows))
+        heading = "### Validation loss at equal steps"
+        written[heading] = heading + "\n\n" + markdown_table(
+            ["workload", "steps", "configuration", "final val loss", "vs exact"], quality_rows)
+    kept = _written_subsections()
+    merged = {**{h: written.get(h, text) for h, text in kept.items()},
+              **{h: text for h, text in written.items() if h not in kept}}
+    partial = set(merged) - set(written)
+    rounds = f"{options.repetitions} interleaved rounds per model"
+    parts = [f"Measured by `benchmarks/bench_memory_frontier.py` on {machine_line()}; "
+             + (f"last run `--models {options.models}`, {rounds}; the other subsections are from an earlier run."
+                if partial else f"{rounds}.")]
+    parts += list(merged.values())
     markdown = "\n\n".join(parts)
     write_section("memory_frontier", markdown.replace("PLOTS/", "docs/"))   # BENCHMARKS.md is at the root
     markdown = markdown.replace("PLOTS/", "")
