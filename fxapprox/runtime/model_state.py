@@ -33,9 +33,14 @@ class ExactEval:
     def __init__(self, module: torch.fx.GraphModule) -> None:
         self.module = module
         self.active = False
-        self._tensors = [(name.rpartition(".")[0], name.rpartition(".")[2])
-                         for name, _ in [*module.named_parameters(remove_duplicate=False),
-                                         *module.named_buffers(remove_duplicate=False)]]
+        by_prefix: dict[str, list] = {}
+        for name, _ in [*module.named_parameters(remove_duplicate=False),
+                        *module.named_buffers(remove_duplicate=False)]:
+            prefix, _, leaf = name.rpartition(".")
+            by_prefix.setdefault(prefix, []).append(leaf)
+        #: (path, this graph's module there, the tensor names it holds): resolved once, the owner's side per call
+        self._holders = [(tuple(prefix.split(".")) if prefix else (), module.get_submodule(prefix), leaves)
+                         for prefix, leaves in by_prefix.items()]
 
     @contextlib.contextmanager
     def calling(self):
@@ -65,12 +70,15 @@ class ExactEval:
         return dispatching
 
     def _share(self, owner: torch.nn.Module) -> None:
-        for prefix, name in self._tensors:
-            mine, theirs = self.module.get_submodule(prefix), owner.get_submodule(prefix)
-            current = getattr(theirs, name)
-            if getattr(mine, name) is not current:
+        for path, mine, leaves in self._holders:
+            theirs = owner   # by path, each call: the rewrite swaps modules, FSDP2 swaps tensors
+            for part in path:
+                theirs = theirs._modules[part]
+            for name in leaves:
                 registry = mine._parameters if name in mine._parameters else mine._buffers
-                registry[name] = current
+                current = theirs._parameters.get(name, theirs._buffers.get(name))
+                if registry[name] is not current:
+                    registry[name] = current
 
 
 @dataclass
