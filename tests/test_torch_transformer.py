@@ -324,3 +324,19 @@ def test_unbatched_input_in_training_says_what_to_do():
     approx = fxapprox.approximate(model, 1.0, example_inputs=args, config=QUIET)
     with pytest.raises(ValueError, match="batched"):
         approx(torch.randn(10, 32), torch.randn(12, 48), torch.rand(12) > 0.7)
+
+
+def test_a_memory_plan_reaches_attention_inside_torch_layers():
+    """Attention is a traced ``scaled_dot_product_attention`` node on views of the projections, so a memory plan
+    compresses (or rebuilds) what it saves: a low ``memory_budget`` is met, and evaluation stays torch's own."""
+    torch.manual_seed(0)
+    model = Encoder()
+    args = (_ids(16, 32), nn.Transformer.generate_square_subsequent_mask(32), None)
+    approx = fxapprox.approximate(model, 1.0, memory_budget=0.25, example_inputs=args, config=QUIET)
+    assert approx.graph.find_nodes(op="call_function", target=nn.functional.scaled_dot_product_attention) or \
+        any("attention" in str(n.target) for n in approx.graph.nodes if n.op == "call_function")
+    assert approx.plan.memory.achieved <= 0.25 + 1e-9, approx.plan.memory.note
+    approx(*args).square().mean().backward()
+    stats = approx._fxapprox_state.saved_stats
+    assert stats.stored_bytes <= 0.5 * stats.exact_bytes   # small values (under activation_min_bytes) stay
+    _evaluates_like_torch(approx, model, args)

@@ -7,8 +7,9 @@ path, which is plain: mask checks, the in-projection (one ``F.linear`` on the pa
 attention, the out-projection module, the feed-forward modules. :func:`training_forward` gives, for a module of
 those types, that computation written so that torch.fx traces it — the projections and feed-forward layers become
 ordinary nodes of the plan — with everything that looks at the inputs' values, dtypes or ranks in functions
-``torch.fx.wrap`` keeps whole (``_canonical_mask``, ``_causal_hint``, ``mha_attention`` …). ``nn.TransformerDecoder``
-and ``nn.TransformerDecoderLayer`` need only the first. Each reproduces torch's slow path op for op, so a plan that
+``torch.fx.wrap`` keeps whole (``_canonical_mask``, ``_causal_hint``, ``sdpa_mask`` …); attention itself is a
+traced ``F.scaled_dot_product_attention`` node (with its weights asked for, ``weighted_attention``).
+``nn.TransformerDecoder`` and ``nn.TransformerDecoderLayer`` need only the first. Each reproduces torch's slow path op for op, so a plan that
 samples nothing computes torch's training forward bit for bit — except that a batch-first module's projections
 keep the samples as their first dimension (the row family samples them), so their weight gradients sum the same
 products in another order (equal to rounding).
@@ -87,14 +88,13 @@ def _heads(x, length, bsz, num_heads, head_dim, batch_first):
     return x.view(length, bsz * num_heads, head_dim).transpose(0, 1)
 
 
-def mha_attention(q, k, v, query, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal,
-                  num_heads, dropout_p, training, batch_first):
-    """``nn.MultiheadAttention.forward`` + ``F.multi_head_attention_forward`` between the in- and the
-    out-projection: the masks canonicalised and merged, scaled dot-product attention (or the explicit softmax when
-    the weights are asked for). ``q``, ``k``, ``v``: the projections, (L, N, E) or, with ``batch_first``, (N, L, E)
-    — kept so, that every linear layer of a batch-first module sees the samples as its first dimension (the row
-    family samples them); ``query``: the module's input (the masks take its dtype). Returns the attention output
-    as (L·N, E) rows in the projections' order and the attention weights (or ``None``)."""
+def _prepared(q, k, v, query, key_padding_mask, attn_mask, need_weights, is_causal, num_heads, batch_first,
+              heads=True):
+    """``nn.MultiheadAttention.forward`` + ``F.multi_head_attention_forward`` between the in-projection and
+    attention: the masks canonicalised, checked and merged, the projections as heads (N·H, L, head_dim). ``q``,
+    ``k``, ``v``: the projections, (L, N, E) or, with ``batch_first``, (N, L, E) — kept so, that every linear layer
+    of a batch-first module sees the samples as its first dimension (the row family samples them); ``query``: the
+    module's input (the masks take its dtype)."""
     key_padding_mask = _canonical_mask(key_padding_mask, "key_padding_mask", attn_mask, "attn_mask", query)
     attn_mask = _canonical_mask(attn_mask, "attn_mask", None, "", query, check_other=False)
     if batch_first:
@@ -130,42 +130,66 @@ def mha_attention(q, k, v, query, key_padding_mask, attn_mask, need_weights, ave
         key_padding_mask = (key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, num_heads, -1, -1)
                             .reshape(bsz * num_heads, 1, src_len))
         attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+    heads = tuple(_heads(x, length, bsz, num_heads, head_dim, batch_first)
+                  for x, length in ((q, tgt_len), (k, src_len), (v, src_len))) if heads else None
+    return heads, attn_mask, is_causal, (bsz, tgt_len, src_len, head_dim)
+
+
+def sdpa_mask(q, k, query, key_padding_mask, attn_mask, is_causal, num_heads, batch_first):
+    """The ``attn_mask`` and ``is_causal`` arguments of ``F.scaled_dot_product_attention`` for the projections
+    (``need_weights=False``): the masks canonicalised, checked, merged and shaped (N, H, L, S). The heads are
+    views of the projections and attention a ``F.scaled_dot_product_attention`` node, both traced, so the memory
+    plan sees what attention saves as for any model."""
+    v = k   # the mask does not look at the values
+    _, attn_mask, is_causal, (bsz, tgt_len, src_len, head_dim) = _prepared(
+        q, k, v, query, key_padding_mask, attn_mask, False, is_causal, num_heads, batch_first, heads=False)
+    if attn_mask is not None:
+        if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(0)
+        else:
+            attn_mask = attn_mask.view(bsz, num_heads, -1, src_len)
+    return attn_mask, is_causal
+
+
+def _sdpa_heads(x, num_heads, head_dim, batch_first):
+    """A projection as (N, H, L, head_dim) views, in ``F.multi_head_attention_forward``'s way for a sequence-first
+    one."""
+    if batch_first:
+        return x.view(x.size(0), x.size(1), num_heads, head_dim).transpose(1, 2)
+    return x.view(x.size(0), -1, head_dim).transpose(0, 1).view(x.size(1), num_heads, x.size(0), head_dim)
+
+
+def weighted_attention(q, k, v, query, key_padding_mask, attn_mask, average_attn_weights, is_causal, num_heads,
+                       dropout_p, training, batch_first):
+    """Attention with its weights asked for (``need_weights=True``): torch's explicit softmax, as (L·N, E) rows in
+    the projections' order, and the weights."""
+    (q, k, v), attn_mask, is_causal, (bsz, tgt_len, src_len, head_dim) = _prepared(
+        q, k, v, query, key_padding_mask, attn_mask, True, is_causal, num_heads, batch_first)
     if not training:
         dropout_p = 0.0
-    q = _heads(q, tgt_len, bsz, num_heads, head_dim, batch_first)
-    k = _heads(k, src_len, bsz, num_heads, head_dim, batch_first)
-    v = _heads(v, src_len, bsz, num_heads, head_dim, batch_first)
-    if need_weights:
-        q_scaled = q * math.sqrt(1.0 / float(head_dim))
-        if is_causal and attn_mask is None:
-            raise AssertionError("FIXME: is_causal not implemented for need_weights")
-        if attn_mask is not None:
-            weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
-        else:
-            weights = torch.bmm(q_scaled, k.transpose(-2, -1))
-        weights = F.softmax(weights, dim=-1)
-        if dropout_p > 0.0:
-            weights = F.dropout(weights, p=dropout_p)
-        output = torch.bmm(weights, v).view(bsz, num_heads, tgt_len, head_dim)
-        weights = weights.view(bsz, num_heads, tgt_len, src_len)
-        if average_attn_weights:
-            weights = weights.mean(dim=1)
+    q_scaled = q * math.sqrt(1.0 / float(head_dim))
+    if is_causal and attn_mask is None:
+        raise AssertionError("FIXME: is_causal not implemented for need_weights")
+    if attn_mask is not None:
+        weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
     else:
-        if attn_mask is not None:
-            if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
-                attn_mask = attn_mask.unsqueeze(0)
-            else:
-                attn_mask = attn_mask.view(bsz, num_heads, -1, src_len)
-        q = q.view(bsz, num_heads, tgt_len, head_dim)
-        k = k.view(bsz, num_heads, src_len, head_dim)
-        v = v.view(bsz, num_heads, src_len, head_dim)
-        output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
-        weights = None
-    order = (0, 2, 1, 3) if batch_first else (2, 0, 1, 3)
-    return output.permute(*order).reshape(bsz * tgt_len, embed_dim), weights
+        weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+    weights = F.softmax(weights, dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    output = torch.bmm(weights, v).view(bsz, num_heads, tgt_len, head_dim)
+    weights = weights.view(bsz, num_heads, tgt_len, src_len)
+    if average_attn_weights:
+        weights = weights.mean(dim=1)
+    return output.permute(*_ROW_ORDER[batch_first]).reshape(bsz * tgt_len, num_heads * head_dim), weights
 
 
-for _name in ("_canonical_mask", "_causal_hint", "_check_transformer_inputs", "_batched", "mha_attention"):
+#: the permutation of attention's (N, H, L, head_dim) output into the projections' row order
+_ROW_ORDER = {True: (0, 2, 1, 3), False: (2, 0, 1, 3)}
+
+
+for _name in ("_canonical_mask", "_causal_hint", "_check_transformer_inputs", "_batched", "sdpa_mask",
+              "weighted_attention"):
     torch.fx.wrap(_name)
 
 
@@ -199,9 +223,17 @@ def multihead_attention_forward(mha: nn.MultiheadAttention, query, key, value, k
     key = query if same_qk and same_kv else _batched(key)
     value = key if same_kv else _batched(value)
     q, k, v = _in_projection(mha, query, key, value)
-    attended, weights = mha_attention(q, k, v, query_in, key_padding_mask, attn_mask, need_weights,
-                                      average_attn_weights, is_causal, mha.num_heads, mha.dropout, mha.training,
-                                      mha.batch_first)
+    if need_weights is False:
+        mask, causal = sdpa_mask(q, k, query_in, key_padding_mask, attn_mask, is_causal, mha.num_heads,
+                                 mha.batch_first)
+        head_dim = mha.embed_dim // mha.num_heads
+        q, k, v = (_sdpa_heads(x, mha.num_heads, head_dim, mha.batch_first) for x in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, mask, mha.dropout if mha.training else 0.0, causal)
+        attended = attended.permute(*_ROW_ORDER[mha.batch_first]).reshape(-1, mha.embed_dim)
+        weights = None
+    else:
+        attended, weights = weighted_attention(q, k, v, query_in, key_padding_mask, attn_mask, average_attn_weights,
+                                               is_causal, mha.num_heads, mha.dropout, mha.training, mha.batch_first)
     output = mha.out_proj(attended)
     return output.view(query.size(0), query.size(1), output.size(1)), weights
 
