@@ -49,11 +49,10 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
     """
 
     def recompile(self):
+        # the generated forward, behind the evaluation dispatch (runtime/model_state.py's ExactEval): installed on
+        # every (re)compile, copies and unpickled models included, and inert where there is no evaluation graph
         code = super().recompile()
-        state = self.__dict__.get("_fxapprox_state")
-        if state is not None and state.exact_eval is not None \
-                and not getattr(type(self).forward, "fxapprox_dispatching", False):
-            type(self).forward = ExactEval.dispatching_forward(type(self).forward)
+        type(self).forward = ExactEval.dispatching_forward(type(self).forward)
         return code
 
     def _fxapprox_setup(self, *, budget: float, memory_budget: float | None, method: str, config: ApproxConfig,
@@ -155,8 +154,6 @@ class ApproxGraphModule(ApproxRuntime, torch.fx.GraphModule):
             memo[id(check)] = None
         result = super().__deepcopy__(memo)
         result._fxapprox_state = copy.deepcopy(self._portable_state(), memo)
-        if result._fxapprox_state.exact_eval is not None:
-            result.recompile()   # the evaluation dispatch reads the state
         return result
 
     def __reduce__(self):
@@ -262,7 +259,6 @@ def approximate(model: nn.Module, budget: float | str = "auto", *, example_input
     exact_eval = approx.meta.pop(EXACT_EVAL_KEY, None)
     if exact_eval is not None:
         approx._fxapprox_state.exact_eval = ExactEval(exact_eval)
-        approx.recompile()
     if example_inputs is not None:
         approx.plan_from(*args, **kwargs)
     return approx

@@ -18,6 +18,7 @@ import torchvision
 from torch import nn
 
 import fxapprox
+from fxapprox.ops.attention import attention_from_saved_inputs
 from fxapprox.passes.capture.trace import TRACED_THROUGH_KEY, trace
 from tests.test_budget_contract import BUDGET, SLACK, executed_fraction
 
@@ -198,8 +199,7 @@ def test_budget_is_spent_on_torch_transformers(build):
         or any("layers" in block for block in _rows_of(approx)), approx.report
     _step(approx, args)
     assert executed_fraction(model.train(), approx, args) <= BUDGET + SLACK
-    assert list(approx.state_dict()) == list(model.state_dict()) or \
-        sorted(approx.state_dict()) == sorted(model.state_dict())
+    assert sorted(approx.state_dict()) == sorted(model.state_dict())
     fresh = copy.deepcopy(model)
     fresh.load_state_dict(approx.state_dict())
     _evaluates_like_torch(approx, fresh, args)
@@ -333,8 +333,9 @@ def test_a_memory_plan_reaches_attention_inside_torch_layers():
     model = Encoder()
     args = (_ids(16, 32), nn.Transformer.generate_square_subsequent_mask(32), None)
     approx = fxapprox.approximate(model, 1.0, memory_budget=0.25, example_inputs=args, config=QUIET)
-    assert approx.graph.find_nodes(op="call_function", target=nn.functional.scaled_dot_product_attention) or \
-        any("attention" in str(n.target) for n in approx.graph.nodes if n.op == "call_function")
+    # (the memory plan swaps it for attention_from_saved_inputs, which rebuilds its softmax in backward)
+    attention = {n.target for n in approx.graph.nodes if n.op == "call_function"}
+    assert {nn.functional.scaled_dot_product_attention, attention_from_saved_inputs} & attention
     assert approx.plan.memory.achieved <= 0.25 + 1e-9, approx.plan.memory.note
     approx(*args).square().mean().backward()
     stats = approx._fxapprox_state.saved_stats

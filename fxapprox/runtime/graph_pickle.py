@@ -86,9 +86,6 @@ def _rebuild_graph_module(cls: type, body: dict, records: list[tuple], codegen, 
     module = cls(root, graph_from_records(records, codegen), class_name=class_name)
     for key, value in body.items():
         module.__dict__[key] = value
-    state = body.get("_fxapprox_state")
-    if getattr(state, "exact_eval", None) is not None:
-        module.recompile()   # the evaluation dispatch reads the state (fxapprox.runtime.model_state.ExactEval)
     return module
 
 

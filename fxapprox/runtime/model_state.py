@@ -58,15 +58,14 @@ class ExactEval:
 
     @staticmethod
     def dispatching_forward(forward):
-        """``forward`` (a ``GraphModule``'s generated code) running the owner's :class:`ExactEval` while it is
-        :meth:`calling`."""
+        """``forward`` (a ``GraphModule``'s generated code) running the owner's :class:`ExactEval` instead while it is
+        :meth:`calling` (the plain ``forward`` for a model without one)."""
         @functools.wraps(forward)
         def dispatching(self, *args, **kwargs):
             exact = self._fxapprox_state.exact_eval
-            if exact.active:
+            if exact is not None and exact.active:
                 return exact(self, args, kwargs)
             return forward(self, *args, **kwargs)
-        dispatching.fxapprox_dispatching = True
         return dispatching
 
     def _share(self, owner: torch.nn.Module) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx
 
+from fxapprox.op_kinds.registry import LINEAR_TARGETS
 from fxapprox.pipeline.records import node_summary
 
 
@@ -19,8 +20,8 @@ def target_name(node: torch.fx.Node) -> str:
     target = node.target
     if isinstance(target, str):
         return target
-    if getattr(target, "__name__", None) == "linear" and len(node.args) > 1 \
-            and isinstance(node.args[1], torch.fx.Node) and node.args[1].op == "get_attr":
+    if target in LINEAR_TARGETS and len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node) \
+            and node.args[1].op == "get_attr":
         return f"{node.args[1].target} (linear)"
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)

@@ -80,21 +80,12 @@ def _split_packed(proj, parts, embed_dim):
     return tuple(proj[i] for i in range(parts))
 
 
-def _heads(x, length, bsz, num_heads, head_dim, batch_first):
-    """A projection (L, N, E) — or (N, L, E) with ``batch_first`` — as (N·H, L, head_dim), the heads of each
-    sample together (``F.multi_head_attention_forward``'s layout)."""
-    if batch_first:
-        return x.view(bsz, length, num_heads, head_dim).transpose(1, 2).reshape(bsz * num_heads, length, head_dim)
-    return x.view(length, bsz * num_heads, head_dim).transpose(0, 1)
-
-
-def _prepared(q, k, v, query, key_padding_mask, attn_mask, need_weights, is_causal, num_heads, batch_first,
-              heads=True):
+def _merged_mask(q, k, query, key_padding_mask, attn_mask, need_weights, is_causal, num_heads, batch_first):
     """``nn.MultiheadAttention.forward`` + ``F.multi_head_attention_forward`` between the in-projection and
-    attention: the masks canonicalised, checked and merged, the projections as heads (N·H, L, head_dim). ``q``,
-    ``k``, ``v``: the projections, (L, N, E) or, with ``batch_first``, (N, L, E) — kept so, that every linear layer
+    attention: the masks canonicalised, checked and merged into one (N·H or 1, L, S) mask, and the causal hint.
+    ``q``, ``k``: the projections, (L, N, E) or, with ``batch_first``, (N, L, E) — kept so, that every linear layer
     of a batch-first module sees the samples as its first dimension (the row family samples them); ``query``: the
-    module's input (the masks take its dtype)."""
+    module's input (the masks take its dtype). Returns ``(attn_mask, is_causal, (N, L, S, head_dim))``."""
     key_padding_mask = _canonical_mask(key_padding_mask, "key_padding_mask", attn_mask, "attn_mask", query)
     attn_mask = _canonical_mask(attn_mask, "attn_mask", None, "", query, check_other=False)
     if batch_first:
@@ -130,9 +121,7 @@ def _prepared(q, k, v, query, key_padding_mask, attn_mask, need_weights, is_caus
         key_padding_mask = (key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, num_heads, -1, -1)
                             .reshape(bsz * num_heads, 1, src_len))
         attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
-    heads = tuple(_heads(x, length, bsz, num_heads, head_dim, batch_first)
-                  for x, length in ((q, tgt_len), (k, src_len), (v, src_len))) if heads else None
-    return heads, attn_mask, is_causal, (bsz, tgt_len, src_len, head_dim)
+    return attn_mask, is_causal, (bsz, tgt_len, src_len, head_dim)
 
 
 def sdpa_mask(q, k, query, key_padding_mask, attn_mask, is_causal, num_heads, batch_first):
@@ -140,9 +129,8 @@ def sdpa_mask(q, k, query, key_padding_mask, attn_mask, is_causal, num_heads, ba
     (``need_weights=False``): the masks canonicalised, checked, merged and shaped (N, H, L, S). The heads are
     views of the projections and attention a ``F.scaled_dot_product_attention`` node, both traced, so the memory
     plan sees what attention saves as for any model."""
-    v = k   # the mask does not look at the values
-    _, attn_mask, is_causal, (bsz, tgt_len, src_len, head_dim) = _prepared(
-        q, k, v, query, key_padding_mask, attn_mask, False, is_causal, num_heads, batch_first, heads=False)
+    attn_mask, is_causal, (bsz, _, src_len, _) = _merged_mask(q, k, query, key_padding_mask, attn_mask, False,
+                                                              is_causal, num_heads, batch_first)
     if attn_mask is not None:
         if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(0)
@@ -152,8 +140,8 @@ def sdpa_mask(q, k, query, key_padding_mask, attn_mask, is_causal, num_heads, ba
 
 
 def _sdpa_heads(x, num_heads, head_dim, batch_first):
-    """A projection as (N, H, L, head_dim) views, in ``F.multi_head_attention_forward``'s way for a sequence-first
-    one."""
+    """A projection as (N, H, L, head_dim) — views, in ``F.multi_head_attention_forward``'s way for a
+    sequence-first one."""
     if batch_first:
         return x.view(x.size(0), x.size(1), num_heads, head_dim).transpose(1, 2)
     return x.view(x.size(0), -1, head_dim).transpose(0, 1).view(x.size(1), num_heads, x.size(0), head_dim)
@@ -163,8 +151,9 @@ def weighted_attention(q, k, v, query, key_padding_mask, attn_mask, average_attn
                        dropout_p, training, batch_first):
     """Attention with its weights asked for (``need_weights=True``): torch's explicit softmax, as (L·N, E) rows in
     the projections' order, and the weights."""
-    (q, k, v), attn_mask, is_causal, (bsz, tgt_len, src_len, head_dim) = _prepared(
-        q, k, v, query, key_padding_mask, attn_mask, True, is_causal, num_heads, batch_first)
+    attn_mask, is_causal, (bsz, tgt_len, src_len, head_dim) = _merged_mask(
+        q, k, query, key_padding_mask, attn_mask, True, is_causal, num_heads, batch_first)
+    q, k, v = (_sdpa_heads(x, num_heads, head_dim, batch_first).flatten(0, 1) for x in (q, k, v))   # (N·H, L, d)
     if not training:
         dropout_p = 0.0
     q_scaled = q * math.sqrt(1.0 / float(head_dim))

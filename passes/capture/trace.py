@@ -87,10 +87,11 @@ class ApproxTracer(torch.fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m, forward, args, kwargs):
-        if self.torch_transformers and not self.is_leaf_module(m, self.path_of_module(m)):
-            traced_forward = training_forward(m)
-            if traced_forward is not None:
-                self.traced_through.append(self.path_of_module(m))
+        traced_forward = training_forward(m) if self.torch_transformers else None
+        if traced_forward is not None:
+            path = self.path_of_module(m)
+            if not self.is_leaf_module(m, path):   # (a module the user named stays whole)
+                self.traced_through.append(path)
                 forward = traced_forward
         return super().call_module(m, forward, args, kwargs)
 

@@ -81,11 +81,11 @@ def _blocker(gm: torch.fx.GraphModule, node: torch.fx.Node, config: ApproxConfig
     if handler is None:
         if kind.unsupported is not None:
             return kind.unsupported
-        if isinstance(_module(gm, node), ModeFollowingCall):   # a traced function whose flag follows the mode
-            function = _module(gm, node).function
-            return f"{getattr(function, '__qualname__', function)}: no sampled version of this op"
+        module = _module(gm, node)
+        if isinstance(module, ModeFollowingCall):   # a traced function whose flag follows the mode
+            return f"{getattr(module.function, '__qualname__', module.function)}: no sampled version of this op"
         if node.op == "call_module":
-            whole = kept_whole_reason(_module(gm, node))   # torch's transformer modules: why this one stays whole
+            whole = kept_whole_reason(module)   # torch's transformer modules: why this one stays whole
             return whole or f"opaque leaf module ({kind.module_type}): its inside is not traced"
         return f"{target_name(node)}: no sampled version of this op"
     reason = handler.blocker(gm, node)
