@@ -33,7 +33,10 @@ Then, on the 4-block transformer of the speed benchmark:
   then the predicted batch is run and its growth measured (stepping down until it fits); tokens per second at
   that batch (interleaved with exact at the benchmark's batch);
 * **quality** — validation loss at equal steps of the char transformer (``benchmarks/workloads.py``,
-  ``char_transformer``) and ResNet-18 on digits (``resnet18``), exact vs fxapprox at each memory budget.
+  ``char_transformer``) and ResNet-18 on digits (``resnet18``), exact vs fxapprox at each memory budget;
+* **quality at the end of a schedule** — the final validation loss after warm-up + cosine to zero of the small
+  char transformer (``char_transformer_small``) and the Hugging Face Llama LM (``hf_llama``, captured region by
+  region), exact vs ``memory_budget=0.125`` (``SCHEDULE_QUALITY``), per seed.
 
 Results are cached in ``benchmarks/.data/memory_frontier/`` (one JSON per model and section; ``--fresh`` measures
 again). ``--write`` puts the tables in BENCHMARKS.md ("memory_frontier") and docs/memory_frontier.md, and the
@@ -74,6 +77,8 @@ COMPILE_BUDGETS = (0.5, 0.1)
 COMPILED_SAVING = ("transformer6", "transformer4")
 #: the quality runs' lengths where shorter than the workload's own (a short run, several seeds)
 QUALITY_STEPS = {"char_transformer": 200}
+#: the end-of-schedule runs (warm-up + cosine to zero, the workload's whole length): workload → budgets
+SCHEDULE_QUALITY = {"char_transformer_small": (0.125,), "hf_llama": (0.125,)}
 DOC = HERE.parent / "docs" / "memory_frontier.md"
 
 
@@ -342,12 +347,12 @@ def _cached(path: Path, fresh: bool, compute):
 
 
 # -- quality -----------------------------------------------------------------------------------------------------
-def quality(workload_name: str, seeds: int, steps: int | None, quick: bool) -> dict:
+def quality(workload_name: str, seeds: int, steps: int | None, budgets: tuple) -> dict:
     import _training
     import workloads
 
     workload = workloads.get(workload_name)
-    labels = ["exact"] + [f"memory {b:g}" for b in (MEMORY_BUDGETS[::2] if quick else MEMORY_BUDGETS)]
+    labels = ["exact"] + [f"memory {b:g}" for b in budgets]
     finals = {}
     for label in labels:
         finals[label] = [_training.train(workload, label, seed, steps)["curve"][-1][2] for seed in range(seeds)]
@@ -356,6 +361,19 @@ def quality(workload_name: str, seeds: int, steps: int | None, quick: bool) -> d
 
 
 # -- tables ------------------------------------------------------------------------------------------------------
+QUALITY_HEADER = ["workload", "steps", "configuration", "final val loss (per seed)", "mean vs exact"]
+
+
+def _quality_rows(result: dict) -> list[list[str]]:
+    exact = statistics.mean(result["final"]["exact"])
+    rows = []
+    for label, finals in result["final"].items():
+        mean = statistics.mean(finals)
+        rows.append([result["workload"], str(result["steps"]), label, " / ".join(f"{f:.4f}" for f in finals),
+                     f"{(mean / exact - 1) * 100:+.2f}%"])
+    return rows
+
+
 def _mib(value) -> str:
     return "—" if value is None else f"{value / 2**20:.0f} MiB"
 
@@ -431,6 +449,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="measure again instead of reading the cache")
     parser.add_argument("--skip-batch", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-schedule-quality", action="store_true")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -471,17 +490,21 @@ def main() -> None:
     if not options.skip_quality:
         for workload in ("char_transformer", "resnet18"):
             steps = 60 if options.quick else QUALITY_STEPS.get(workload)
+            budgets = MEMORY_BUDGETS[::2] if options.quick else MEMORY_BUDGETS
             result = _cached(data / f"quality-{workload}.json", options.fresh,
-                             lambda: quality(workload, 1 if options.quick else options.seeds, steps, options.quick))
-            exact = statistics.mean(result["final"]["exact"])
-            for label, finals in result["final"].items():
-                mean = statistics.mean(finals)
-                quality_rows.append([workload, str(result["steps"]), label, f"{mean:.4f}",
-                                     f"{(mean / exact - 1) * 100:+.2f}%"])
-        print_table("Validation loss at equal steps", ["workload", "steps", "configuration", "final val loss",
-                                                         "vs exact"], quality_rows)
+                             lambda: quality(workload, 1 if options.quick else options.seeds, steps, budgets))
+            quality_rows += _quality_rows(result)
+        print_table("Validation loss at equal steps", QUALITY_HEADER, quality_rows)
+    schedule_rows = []
+    if not options.skip_schedule_quality:
+        for workload, budgets in SCHEDULE_QUALITY.items():
+            result = _cached(data / f"schedule-{workload}.json", options.fresh,
+                             lambda: quality(workload, 1 if options.quick else options.seeds,
+                                             60 if options.quick else None, budgets))
+            schedule_rows += _quality_rows(result)
+        print_table("Validation loss at the end of a warm-up + cosine schedule", QUALITY_HEADER, schedule_rows)
     if options.write:
-        _write(sections, frontiers, batch_rows, quality_rows, options)
+        _write(sections, frontiers, batch_rows, quality_rows, schedule_rows, options)
 
 
 def _split(table: str) -> tuple[list[str], list[list[str]]]:
@@ -502,7 +525,7 @@ def _written_subsections() -> dict[str, str]:
     return {chunk.splitlines()[0]: chunk.strip() for chunk in chunks}
 
 
-def _write(sections, frontiers, batch_rows, quality_rows, options) -> None:
+def _write(sections, frontiers, batch_rows, quality_rows, schedule_rows, options) -> None:
     """Write the tables and plots; the subsections of models (and of the batch and quality runs) not measured in
     this run are kept from the written page."""
     written = {}
@@ -518,8 +541,10 @@ def _write(sections, frontiers, batch_rows, quality_rows, options) -> None:
             ["configuration", "batch", "tokens/s", "throughput vs exact"], batch_rows)
     if quality_rows:
         heading = "### Validation loss at equal steps"
-        written[heading] = heading + "\n\n" + markdown_table(
-            ["workload", "steps", "configuration", "final val loss", "vs exact"], quality_rows)
+        written[heading] = heading + "\n\n" + markdown_table(QUALITY_HEADER, quality_rows)
+    if schedule_rows:
+        heading = "### Validation loss at the end of a warm-up + cosine schedule"
+        written[heading] = heading + "\n\n" + markdown_table(QUALITY_HEADER, schedule_rows)
     kept = _written_subsections()
     merged = {**{h: written.get(h, text) for h, text in kept.items()},
               **{h: text for h, text in written.items() if h not in kept}}

@@ -134,8 +134,12 @@ class MemoryPlan:
     values: tuple[SavedValueDecision, ...] = field(default_factory=tuple)
     #: predicted model-gradient error of the chosen widths (measured memory policy only)
     predicted_error: float | None = None
-    #: of ``internal_bytes``, what eager code saves in a hierarchically captured model (kept exact)
+    #: of ``internal_bytes``, what eager code saves in a hierarchically captured model
     eager_bytes: int = 0
+    #: what the plan keeps of it (``eager_bytes`` when it is kept as it is)
+    eager_planned_bytes: int = 0
+    #: the bits of the copies eager code's eligible saves are kept as (``None``: kept as they are)
+    eager_copy_bits: int | None = None
     #: the blocks it may checkpoint, and whether it does
     blocks: tuple[BlockDecision, ...] = field(default_factory=tuple)
     #: predicted step time / the exact step's (packing copies and re-running checkpointed blocks, measured on the
@@ -171,7 +175,8 @@ class MemoryPlan:
                 "total_planned_bytes": self.total_planned_bytes, "internal_bytes": self.internal_bytes,
                 "achieved": self.achieved, "budget_met": self.budget_met, "note": self.note,
                 "values": [v.to_dict() for v in self.values], "predicted_error": self.predicted_error,
-                "eager_bytes": self.eager_bytes, "blocks": [b.to_dict() for b in self.blocks],
+                "eager_bytes": self.eager_bytes, "eager_planned_bytes": self.eager_planned_bytes,
+                "eager_copy_bits": self.eager_copy_bits, "blocks": [b.to_dict() for b in self.blocks],
                 "predicted_time": self.predicted_time, "measured_time": self.measured_time,
                 "recompute_bytes": self.recompute_bytes}
 
@@ -182,6 +187,8 @@ class MemoryPlan:
                                        "internal_bytes", "budget_met", "note")}
         blocks = tuple(BlockDecision(**b) for b in data.get("blocks", ()))
         return cls(values=values, predicted_error=data.get("predicted_error"), eager_bytes=data.get("eager_bytes", 0),
+                   eager_planned_bytes=data.get("eager_planned_bytes", data.get("eager_bytes", 0)),
+                   eager_copy_bits=data.get("eager_copy_bits"),
                    blocks=blocks, predicted_time=data.get("predicted_time"),
                    measured_time=data.get("measured_time"), recompute_bytes=data.get("recompute_bytes", 0),
                    **fields)

@@ -127,3 +127,50 @@ def test_compiled_kernels_equal_eager():
     compiled = quantize(x, 4, compiled=True)
     assert torch.equal(eager.packed, compiled.packed)
     torch.testing.assert_close(compiled.dequantize(), eager.dequantize(), atol=1e-6, rtol=0)
+
+
+def test_groups_align_to_rows_so_a_row_of_zeros_comes_back_exactly():
+    from fxapprox.ops.quantize import row_group
+
+    assert [row_group(256, row) for row in (384, 128, 1024, 96, 48, None)] == [128, 128, 256, 256, 256, 256]
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 384)
+    x[1, 3] = 0.0                       # a padding token's embedding
+    x[2, 7] *= 1e-4                     # a row far smaller than its neighbours
+    for copy in (quantize(x, 2), quantize(x.reshape(-1), 2, row=384)):
+        rebuilt = copy.dequantize().view_as(x)
+        assert torch.equal(rebuilt[1, 3], torch.zeros(384))
+        assert (rebuilt[2, 7] - x[2, 7]).abs().max() <= x[2, 7].abs().max()   # its own scale, not its neighbours'
+        assert copy.nbytes == quantized_nbytes(x.numel(), 2, 256, row=384)
+    assert quantized_nbytes(x.numel(), 2, 256, row=384) == x.numel() // 128 * (128 * 2 // 8 + 4)
+
+
+def test_a_zero_row_keeps_a_normalisation_backward_finite():
+    """An RMSNorm's backward multiplies its input by rsqrt(eps)³ ≈ 1e9 on a row of zeros: its copy must keep the
+    row exactly zero (a group spanning it and a neighbouring row did not: the gradient went to 1e10, then NaN,
+    training a Hugging Face Llama whose padding embedding is zero)."""
+    import fxapprox
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 384, padding_idx=0)
+            self.mix = torch.nn.Linear(384, 384, bias=False)
+            self.head = torch.nn.Linear(384, 16)
+
+        @staticmethod
+        def norm(x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+        def forward(self, ids):
+            return self.head(self.norm(self.mix(self.norm(self.embed(ids)))))
+
+    torch.manual_seed(0)
+    model = Norm()
+    ids = torch.randint(0, 16, (4, 32))
+    ids[:, 0] = 0
+    approx = fxapprox.approximate(model, 1.0, example_inputs=(ids,),
+                                  config=fxapprox.ApproxConfig(activation_bits=2, check_every=None, progress=False))
+    out = approx(ids)
+    (out * torch.randn_like(out)).sum().backward()
+    assert all(torch.isfinite(p.grad).all() and p.grad.abs().max() < 1e3 for p in approx.parameters())

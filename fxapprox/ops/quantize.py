@@ -209,6 +209,32 @@ class QuantizedTensor:
         return _restore_layout(flat, self.shape, self.channels_last)
 
 
+#: the smallest group a row-aligned group may be (below it, 4 bytes of offset and step per group cost too much)
+MIN_ROW_GROUP = 64
+
+
+def row_group(group_size: int, row: int | None) -> int:
+    """The group size a tensor whose rows (innermost memory dimension) hold ``row`` elements is packed with: the
+    largest divisor of ``group_size`` that also divides ``row``, so that no group spans two rows (a row of zeros
+    — a padding token's embedding — comes back exactly zero, and a row far smaller than its neighbours keeps
+    its own scale: a normalisation's backward divides by the row's own size, cubed); ``group_size`` when that
+    divisor is under :data:`MIN_ROW_GROUP` (or ``row`` is unknown)."""
+    if not row:
+        return group_size
+    aligned = math.gcd(group_size, row)
+    return aligned if aligned >= MIN_ROW_GROUP else group_size
+
+
+def _flattened_row(tensor: torch.Tensor) -> int | None:
+    """The row length of ``tensor`` as :func:`_memory_order_flat` lays it out (channels for NHWC, else the last
+    dimension); ``None`` for a 0-d or 1-d tensor."""
+    if tensor.dim() < 2:
+        return None
+    if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
+        return tensor.shape[1]
+    return tensor.shape[-1]
+
+
 def _memory_order_flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A 1-D view of ``tensor`` in memory order (a copy only for odd strides) and whether it is NHWC."""
     if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
@@ -245,8 +271,10 @@ def pack_mask(tensor: torch.Tensor) -> QuantizedTensor:
 
 def quantize(tensor: torch.Tensor, bits: int, *, group_size: int = 256, rounding: str = "stochastic",
              sign_exact: bool = False, compiled: bool = False,
-             generator: torch.Generator | None = None) -> QuantizedTensor:
-    """Pack a floating-point ``tensor`` into ``bits``-bit codes (2, 4 or 8) per group of ``group_size``.
+             generator: torch.Generator | None = None, row: int | None = None) -> QuantizedTensor:
+    """Pack a floating-point ``tensor`` into ``bits``-bit codes (2, 4 or 8) per group of ``group_size``, aligned
+    to its rows (:func:`row_group`; ``row``: the row length of a tensor passed flattened, else its own last
+    dimension, or its channels for a channels-last one).
 
     Example::
 
@@ -265,6 +293,7 @@ def quantize(tensor: torch.Tensor, bits: int, *, group_size: int = 256, rounding
         raise ValueError(f"group_size must be a positive multiple of 8, got {group_size!r}")
     if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(f"quantize needs a floating-point tensor, got {tensor.dtype}")
+    group_size = row_group(group_size, row if row is not None else _flattened_row(tensor))
     flat, channels_last = _memory_order_flat(tensor.detach())
     numel = flat.numel()
     full = numel // group_size
@@ -283,12 +312,14 @@ def quantize(tensor: torch.Tensor, bits: int, *, group_size: int = 256, rounding
                            sign_exact, compiled)
 
 
-def quantized_nbytes(numel: int, bits: int, group_size: int = 256) -> int:
-    """Bytes :func:`quantize` (or :func:`pack_mask` for ``bits=1``) uses for ``numel`` elements."""
+def quantized_nbytes(numel: int, bits: int, group_size: int = 256, row: int | None = None) -> int:
+    """Bytes :func:`quantize` (or :func:`pack_mask` for ``bits=1``) uses for ``numel`` elements in rows of ``row``."""
     if bits == 1:
         return math.ceil(numel / 8)
+    group_size = row_group(group_size, row)
     n_groups = max(1, math.ceil(numel / group_size))
     return n_groups * (group_size * bits // 8 + 4)
 
 
-__all__ = ["QuantizedTensor", "ROUNDINGS", "pack_mask", "quantize", "quantized_nbytes"]
+__all__ = ["MIN_ROW_GROUP", "QuantizedTensor", "ROUNDINGS", "pack_mask", "quantize", "quantized_nbytes",
+           "row_group"]

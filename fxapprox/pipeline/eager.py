@@ -36,11 +36,12 @@ from fxapprox.pipeline.memory_planning import memory_planned, plan_saved_activat
 from fxapprox.pipeline.row_planning import forward_sampling_harmless, make_row_plan, row_planned
 from fxapprox.passes.analysis.row_blocks import find_row_blocks, row_blocks_of
 from fxapprox.passes.measurement.measure_rows import eager_block_runs
-from fxapprox.pipeline.records import EAGER_SAVED_KEY, FLOPS_KEY, FlopCount, flops_of
+from fxapprox.pipeline.records import EAGER_COPY_KEY, EAGER_SAVED_KEY, FLOPS_KEY, FlopCount, flops_of
 from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.runtime.model import ApproxRuntime, _shapes
 from fxapprox.runtime.model_state import ModelState, check_loaded
+from fxapprox.runtime.saved_markers import EagerCopies
 
 __all__ = ["ApproxModel", "approximate_eager"]
 
@@ -66,7 +67,8 @@ class ApproxModel(ApproxRuntime):
             received = record_calls(self, args, kwargs)
             capture = capture_regions(self, Region.from_dict(state.root), received, config.leaf_modules)
             forward_flops, step_flops = count_step_flops(self, args, kwargs)
-            eager_saved = (count_eager_saved_bytes(self, capture, args, kwargs)
+            eager_saved = (count_eager_saved_bytes(self, capture, args, kwargs, config.activation_min_bytes,
+                                                   config.activation_group_size)
                            if memory_planned(state.memory_budget, config) else {})
         planning, inputs = stitch(self, capture, received)
         analyse(planning, inputs, progress=config.progress)
@@ -77,7 +79,9 @@ class ApproxModel(ApproxRuntime):
         for node in planning.graph.nodes:
             if isinstance(node.target, EagerCode):
                 node.meta[FLOPS_KEY] = FlopCount(*eager_flops.get(node.target.path, (0, 0)))
-                node.meta[EAGER_SAVED_KEY] = eager_saved.get(node.target.path, 0)
+                saved = eager_saved.get(node.target.path)
+                node.meta[EAGER_SAVED_KEY] = saved.exact_bytes if saved else 0
+                node.meta[EAGER_COPY_KEY] = saved.copied_bytes if saved else 0
         rank_layers(planning)
         enumerate_candidates(planning, state.method, config)
         plan, why_not_rows = None, None
@@ -108,6 +112,11 @@ class ApproxModel(ApproxRuntime):
         if memory_planned(state.memory_budget, config):
             plan = plan_saved_activations(planning, inputs, plan, state, config)
         install_regions(self, planning, capture)
+        if plan.memory is not None and plan.memory.eager_copy_bits is not None:
+            copies = EagerCopies(plan.memory.eager_copy_bits, config.activation_min_bytes)
+            for region in capture.regions:
+                hooks = copies if region.kind == "eager" else EagerCopies(None, 0)
+                hooks.install(self.get_submodule(region.path))
         state.planning = planning
         step = lambda: super(ApproxRuntime, self).__call__(*args, **kwargs)  # noqa: E731
         if plan.rows is not None:

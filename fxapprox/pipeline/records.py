@@ -20,6 +20,7 @@ candidates) writes a new record with :func:`dataclasses.replace`, so a copy of a
 ``DECISION_KEY``       :class:`PlannedLayer`       the budget policies, re-plans, ``fxapprox.pipeline.ranks``
 ``BIT_ERRORS_KEY``     ``{bits: {...}}``           ``measure_saved``
 ``EAGER_SAVED_KEY``    ``int`` (bytes)             ``fxapprox.pipeline.eager``: what a stitched node's eager code saves
+``EAGER_COPY_KEY``     ``int`` (bytes)             ``fxapprox.pipeline.eager``: the same kept as copies
 ``EAGER_REASON_KEY``   ``str``                     ``stitch``: why a stitched node runs eagerly
 =====================  ==========================  =========================================================
 """
@@ -42,6 +43,7 @@ CANDIDATES_KEY = "fxapprox_candidates"
 DECISION_KEY = "fxapprox_decision"
 BIT_ERRORS_KEY = "fxapprox_bit_errors"
 EAGER_SAVED_KEY = "fxapprox_eager_saved_bytes"
+EAGER_COPY_KEY = "fxapprox_eager_copy_bytes"
 EAGER_REASON_KEY = "fxapprox_eager_reason"
 #: ``node.meta`` key (True) of a node that is not the model's own (the stitched planning graph's loss): the
 #: per-node analyses leave it out
@@ -328,7 +330,7 @@ def node_summary(node: torch.fx.Node) -> dict:
         summary["plan"] = planned.decision.to_dict()
         summary["chosen"] = None if planned.chosen is None else planned.chosen.to_dict()
     for key, name in ((BIT_ERRORS_KEY, "bit_errors"), (EAGER_SAVED_KEY, "eager_saved_bytes"),
-                      (EAGER_REASON_KEY, "eager_reason")):
+                      (EAGER_COPY_KEY, "eager_copy_bytes"), (EAGER_REASON_KEY, "eager_reason")):
         if key in node.meta:
             summary[name] = node.meta[key]
     return summary

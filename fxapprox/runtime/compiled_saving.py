@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.fx
 
+from fxapprox.ops.quantize import row_group
+
 __all__ = ["CompiledSaving", "compiled_widths", "pack_saved", "unpack_saved"]
 
 #: the fixed pattern of the dither: position j of a group gets frac(j · golden ratio)
@@ -127,7 +129,8 @@ def pack_saved(tensor: torch.Tensor, key: str):
     if bits is None or not tensor.is_contiguous() or tensor.numel() == 0:
         return tensor
     flat = tensor.reshape(-1)
-    numel, size = flat.numel(), saving.group_size
+    numel = flat.numel()
+    size = row_group(saving.group_size, tensor.shape[-1] if tensor.dim() > 1 else None)   # groups within rows
     pad = -numel % size
     if pad:   # the tail group padded with its own last value, so it does not widen the range
         flat = torch.cat([flat, flat[-1:].expand(pad)])

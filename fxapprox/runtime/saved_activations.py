@@ -40,8 +40,8 @@ from fxapprox.ops.quantize import FLOAT_DTYPES, QuantizedTensor, pack_mask, quan
 from fxapprox.ops.training_context import current, note_derived, record_derivations, training_context
 from fxapprox.runtime.recompute import (RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES,
                                         RecomputedCopy)
-from fxapprox.runtime.saved_tensors import (count_saved_bytes, is_dense, memory_order, state_storages, storage_ptr,
-                                            tensor_key)
+from fxapprox.runtime.saved_tensors import (count_saved_bytes, eager_copy_eligible, is_dense, memory_order,
+                                            memory_row, state_storages, storage_ptr, tensor_key)
 
 @dataclass(frozen=True)
 class SavedActivationStats:
@@ -108,6 +108,10 @@ class SavedTensorCompressor:
         self._pending: dict[int, list[tuple[_Handle, torch.Tensor, tuple, StorageWeakRef]]] = {}
         self._copies: dict[tuple, tuple[StorageWeakRef, QuantizedTensor]] = {}
         self._recipes: dict[int, tuple[StorageWeakRef, tuple]] = {}
+        # the modules of a region-captured model running (innermost last): (bits, min bytes, their pending) for
+        # eager code whose saves are kept as copies, ``(None, 0, [])`` for a region
+        self._eager_scopes: list[tuple[int | None, int, list]] = []
+        self._region_saved: dict[int, StorageWeakRef] = {}   # storages a region saved (its plan decides them)
         # Accounting. Keys name a tensor only while its storage lives (a freed address is reused),
         # so each entry keeps a weak reference and a dead entry counts as a new tensor.
         self._seen: dict[tuple, StorageWeakRef] = {}
@@ -118,15 +122,19 @@ class SavedTensorCompressor:
         self.packed_tensors = 0
 
     # -- tagging ----------------------------------------------------------
-    def tag(self, value, bits: int, sign_exact: bool) -> None:
+    def tag(self, value, bits: int, sign_exact: bool, row: int | None | bool = True) -> None:
+        """``value``'s saves are packed at ``bits``; their groups align to ``row`` (``True``: ``value``'s own row, the
+        one the plan counted, whichever view of it autograd saves; ``None``: no alignment)."""
         if not isinstance(value, torch.Tensor):
             return
         ptr = storage_ptr(value)
         if ptr is None or ptr in self.state_storages:
             return
-        self._tags[ptr] = (StorageWeakRef(value.untyped_storage()), bits, sign_exact)
+        if row is True:
+            row = memory_row(value.shape, value.stride())
+        self._tags[ptr] = (StorageWeakRef(value.untyped_storage()), bits, sign_exact, row)
         for handle, tensor, key, storage in self._pending.pop(ptr, ()):
-            self._compress_into(handle, tensor, key, storage, bits, sign_exact)
+            self._compress_into(handle, tensor, key, storage, bits, sign_exact, row)
 
     def tag_recompute(self, value, source, recipe, args: tuple, kwargs: dict) -> None:
         """Mark ``value`` (``= recipe(*args, **kwargs)``, ``source`` among the arguments) as rebuilt in backward."""
@@ -175,7 +183,7 @@ class SavedTensorCompressor:
         """Give ``derived`` (e.g. the gathered columns a sampled op saves) the tag of ``source``."""
         tag = self._live_tag(storage_ptr(source))
         if tag is not None:
-            self.tag(derived, tag[1], tag[2])
+            self.tag(derived, tag[1], tag[2], None)   # a gathered copy: the plan counts it unaligned
 
     def follow_cast(self, cast: torch.Tensor, source: torch.Tensor) -> None:
         """``cast`` is autocast's lower-precision copy of ``source`` (what the op after it saves): give it
@@ -183,7 +191,7 @@ class SavedTensorCompressor:
         ptr = storage_ptr(source)
         tag = self._live_tag(ptr)
         if tag is not None:
-            self.tag(cast, tag[1], tag[2])
+            self.tag(cast, tag[1], tag[2], tag[3])
             return
         recipe = self._recipes.get(ptr)
         if recipe is not None and not recipe[0].expired() and is_dense(source):
@@ -208,7 +216,7 @@ class SavedTensorCompressor:
             self._kept.pop(key, None)
         handle = _Handle(tensor, None, tensor.shape)
         if tensor.dtype == torch.bool:
-            self._compress_into(handle, tensor, key, seen, 1, False)
+            self._compress_into(handle, tensor, key, seen, 1, False, None)
             return handle
         recipe = self._recipes.get(ptr)
         if recipe is not None and not recipe[0].expired():
@@ -216,10 +224,16 @@ class SavedTensorCompressor:
             return handle
         tag = self._live_tag(ptr)
         if tag is None:
-            self._pending.setdefault(ptr, []).append((handle, tensor, key, seen))
+            entry = (handle, tensor, key, seen)
+            self._pending.setdefault(ptr, []).append(entry)
             self._keep(key, tensor)
+            if self._eager_scopes:
+                if self._eager_scopes[-1][0] is None:
+                    self._region_saved[ptr] = seen
+                else:
+                    self._eager_scopes[-1][2].append((ptr, entry))
         else:
-            self._compress_into(handle, tensor, key, seen, tag[1], tag[2])
+            self._compress_into(handle, tensor, key, seen, tag[1], tag[2], tag[3])
         return handle
 
     def _keep(self, key: tuple, tensor: torch.Tensor) -> None:
@@ -232,7 +246,7 @@ class SavedTensorCompressor:
         return handle.unpack()
 
     def _compress_into(self, handle: _Handle, tensor: torch.Tensor, key: tuple, storage: StorageWeakRef,
-                       bits: int, sign_exact: bool) -> None:
+                       bits: int, sign_exact: bool, row: int | None) -> None:
         if bits >= 16 or (tensor.dtype not in FLOAT_DTYPES and tensor.dtype != torch.bool):
             self._keep(key, tensor)
             return
@@ -248,11 +262,38 @@ class SavedTensorCompressor:
                 copy = pack_mask(flat)
             else:
                 copy = quantize(flat, bits, group_size=self.options.group_size, rounding=self.options.rounding,
+                                row=row,
                                 sign_exact=sign_exact, compiled=self.options.compiled)
             self._copies[cache_key] = (storage, copy)
             self.packed_bytes += copy.nbytes
             self.packed_tensors += 1
         handle.tensor, handle.copy = None, copy
+
+    # -- eager code ------------------------------------------------------
+    def enter_eager(self, bits: int | None, min_bytes: int) -> None:
+        """A module of a region-captured model starts. An eager one (``bits``): what its own code saves, and no
+        region saves or tags by the time it ends, is kept as ``bits``-bit copies
+        (:func:`~fxapprox.runtime.saved_tensors.eager_copy_eligible` decides which). A region (``None``): what it
+        saves is its plan's."""
+        self._eager_scopes.append((bits, min_bytes, []))
+
+    def exit_eager(self) -> None:
+        if not self._eager_scopes:
+            return
+        bits, min_bytes, saved = self._eager_scopes.pop()
+        for ptr, entry in saved:
+            pending = self._pending.get(ptr, ())
+            index = next((i for i, waiting in enumerate(pending) if waiting is entry), None)
+            region = self._region_saved.get(ptr)
+            if index is None or (region is not None and not region.expired()):
+                continue   # a region saves it too: its plan decides it
+            handle, tensor, key, storage = entry
+            if not eager_copy_eligible(tensor, min_bytes):
+                continue
+            del pending[index]
+            if not pending:
+                del self._pending[ptr]
+            self._compress_into(handle, tensor, key, storage, bits, False, memory_row(tensor.shape, tensor.stride()))
 
     # -- session ----------------------------------------------------------
     def stats(self) -> SavedActivationStats:
@@ -265,6 +306,8 @@ class SavedTensorCompressor:
         self._copies.clear()
         self._recipes.clear()
         self._seen.clear()
+        self._eager_scopes.clear()
+        self._region_saved.clear()
 
 
 class _CastTo:

@@ -10,7 +10,7 @@ from fxapprox.ops.training_context import current
 from fxapprox.runtime.recompute import RECOMPUTABLE_FUNCTIONS
 from fxapprox.runtime.saved_activations import without_cast_following
 
-__all__ = ["compress_saved", "recompute_saved"]
+__all__ = ["EagerCopies", "compress_saved", "recompute_saved"]
 
 
 def compress_saved(value, bits: int, sign_exact: bool = False) -> None:
@@ -51,3 +51,29 @@ def recompute_saved(value, source, recipe, args: tuple, kwargs: dict) -> None:
 # Not dead code to torch.fx: they have no users, but they must run where they stand.
 torch.fx.node.has_side_effect(compress_saved)
 torch.fx.node.has_side_effect(recompute_saved)
+
+
+class EagerCopies:
+    """Forward hooks on the modules of a region-captured model whose memory plan keeps eager code's saves as
+    copies: while an eager module runs, what its own code saves (and no region saves) is packed at ``bits`` when it
+    ends; on a region's module (``bits=None``) they mark what it saves as the region's. Does nothing outside a
+    compressing training forward."""
+
+    def __init__(self, bits: int | None, min_bytes: int) -> None:
+        self.bits = bits
+        self.min_bytes = min_bytes
+
+    def enter(self, module, args, kwargs=None) -> None:
+        compressor = current().compressor
+        if compressor is not None:
+            compressor.enter_eager(self.bits, self.min_bytes)
+
+    def leave(self, module, args, output) -> None:
+        compressor = current().compressor
+        if compressor is not None:
+            with without_cast_following():
+                compressor.exit_eager()
+
+    def install(self, module: torch.nn.Module) -> None:
+        module.register_forward_pre_hook(self.enter)
+        module.register_forward_hook(self.leave, always_call=True)

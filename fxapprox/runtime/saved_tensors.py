@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-__all__ = ["count_saved_bytes", "is_dense", "memory_order", "state_storages", "storage_ptr", "tensor_key"]
+__all__ = ["EAGER_COPY_BITS", "count_saved_bytes", "eager_copy_eligible", "is_dense", "memory_order", "memory_row",
+           "state_storages", "storage_ptr", "tensor_key"]
+
+#: the bits of the copies eager code's saved tensors keep, when the memory plan copies them (no measurement picks
+#: them per tensor: eager code has no graph; attention's q, k and v are among them, which keep at least 8 bits)
+EAGER_COPY_BITS = 8
+#: autograd nodes whose backward exponentiates their saved output (probabilities rebuilt from a softmax's or
+#: log-softmax's result): an error in the copy is multiplied through ``exp``
+_EXPONENTIATED_OUTPUTS = ("SoftmaxBackward", "LogSoftmaxBackward")
 
 
 def storage_ptr(tensor: torch.Tensor) -> int | None:
@@ -23,22 +31,50 @@ def storage_ptr(tensor: torch.Tensor) -> int | None:
 def is_dense(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` covers a gap-free, non-overlapping run of its storage (any order of dimensions:
     contiguous, channels-last, a transpose of a contiguous tensor)."""
+    return _dense(tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def memory_row(shape, stride) -> int | None:
+    """The row length of a tensor of this geometry as :func:`memory_order` lays it out — the size of its stride-1
+    dimension when dense, its last dimension when copied in logical order — which its packed copy's groups
+    align to (:func:`fxapprox.ops.quantize.row_group`); ``None`` for a 0-d or 1-d one."""
+    shape, stride = tuple(shape), tuple(stride)
+    if len(shape) < 2:
+        return None
+    if not _dense(shape, stride):
+        return shape[-1]
+    return next((size for size, step in zip(shape, stride) if size > 1 and step == 1), shape[-1])
+
+
+def _dense(shape: tuple, strides: tuple) -> bool:
     span = 1
-    for size, stride in zip(tensor.shape, tensor.stride()):
+    for size, stride in zip(shape, strides):
         if size > 1:
             if stride <= 0:
                 return False
             span += (size - 1) * stride
-    if span != tensor.numel():
+    numel = 1
+    for size in shape:
+        numel *= size
+    if span != numel:
         return False
     # A gap-free span of numel elements with no overlap: the strides, sorted, must be the running products.
     expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(tensor.shape, tensor.stride()) if s > 1),
+    for size, stride in sorted(((s, st) for s, st in zip(shape, strides) if s > 1),
                                key=lambda pair: pair[1]):
         if stride != expected:
             return False
         expected *= size
     return True
+
+
+def eager_copy_eligible(tensor: torch.Tensor, min_bytes: int) -> bool:
+    """Whether a tensor eager code saves may be kept as a copy: floating point, at least ``min_bytes``, made by an
+    op autograd records (a kernel's non-differentiable outputs — attention's log-sum-exp, whose error its backward
+    exponentiates — and constants such as rotary tables stay as they are), and not a softmax's output."""
+    if not tensor.is_floating_point() or tensor.grad_fn is None or tensor.numel() * tensor.element_size() < min_bytes:
+        return False
+    return not type(tensor.grad_fn).__name__.startswith(_EXPONENTIATED_OUTPUTS)
 
 
 def _layout(tensor: torch.Tensor):

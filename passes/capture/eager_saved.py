@@ -6,20 +6,35 @@ the model's forward) is not in that graph: it is counted here over a real forwar
 ``torch.autograd.graph.saved_tensors_hooks`` with a stack of the regions running, and reported in the plan as kept
 exact. A tensor that a region or leaf saves too (a projection's input that eager code saves as well) is the
 region's: its width is planned there, and compressing it there compresses it for every saver.
+
+Each eager module's count carries what its saves would take as copies (:data:`~fxapprox.runtime.saved_tensors.
+EAGER_COPY_BITS`-bit, of the tensors :func:`~fxapprox.runtime.saved_tensors.eager_copy_eligible` admits): the memory
+policy may keep them so (``fxapprox.runtime.saved_markers.EagerCopies`` does it at run time).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from fxapprox.passes.capture.regions import Capture
-from fxapprox.runtime.saved_tensors import state_storages, storage_ptr, tensor_key
+from fxapprox.ops.quantize import quantized_nbytes
+from fxapprox.runtime.saved_tensors import (EAGER_COPY_BITS, eager_copy_eligible, memory_row, state_storages,
+                                            storage_ptr, tensor_key)
 
-__all__ = ["count_eager_saved_bytes"]
+__all__ = ["EagerSaved", "count_eager_saved_bytes"]
+
+
+@dataclass(frozen=True)
+class EagerSaved:
+    """What one eager module's own code saves for backward in a training step."""
+
+    exact_bytes: int    #: as autograd keeps them
+    copied_bytes: int   #: with the eligible ones kept as ``EAGER_COPY_BITS``-bit copies, the rest as they are
 
 
 @contextlib.contextmanager
@@ -45,14 +60,16 @@ def _region_stack(model: nn.Module, capture: Capture, stack: list):
             handle.remove()
 
 
-def count_eager_saved_bytes(model: nn.Module, capture: Capture, args: tuple, kwargs: dict) -> dict[str, int]:
-    """``{eager module path: bytes}`` its own code saves for backward in one training forward of ``model``
-    (parameters and buffers left out; each distinct tensor once, as :class:`fxapprox.count_saved_bytes` counts).
-    Tensors that a traced region or swapped leaf also saves are left to the planning graph."""
+def count_eager_saved_bytes(model: nn.Module, capture: Capture, args: tuple, kwargs: dict, min_bytes: int,
+                            group_size: int) -> dict[str, EagerSaved]:
+    """``{eager module path: EagerSaved}``: what its own code saves for backward in one training forward of
+    ``model`` (parameters and buffers left out; each distinct tensor once, as :class:`fxapprox.count_saved_bytes`
+    counts), exact and as copies (``min_bytes``, ``group_size``: the memory config's). Tensors that a traced region
+    or swapped leaf also saves are left to the planning graph."""
     parameters = state_storages(model)
     stack: list = []
     owners: dict[tuple, set[str]] = {}
-    sizes: dict[tuple, int] = {}
+    sizes: dict[tuple, tuple[int, int]] = {}
     captured_storages: set[int] = set()
 
     def pack(tensor: torch.Tensor):
@@ -65,15 +82,20 @@ def count_eager_saved_bytes(model: nn.Module, capture: Capture, args: tuple, kwa
             return tensor
         key = tensor_key(tensor, ptr)
         owners.setdefault(key, set()).add(region.path)
-        sizes[key] = tensor.numel() * tensor.element_size()
+        exact = tensor.numel() * tensor.element_size()
+        copied = (quantized_nbytes(tensor.numel(), EAGER_COPY_BITS, group_size,
+                                   memory_row(tensor.shape, tensor.stride()))
+                  if eager_copy_eligible(tensor, min_bytes) else exact)
+        sizes[key] = (exact, min(exact, copied))
         return tensor
 
     with torch.enable_grad(), _region_stack(model, capture, stack), saved_tensors_hooks(pack, lambda t: t):
         model(*args, **kwargs)
-    counts: dict[str, int] = {}
+    counts: dict[str, tuple[int, int]] = {}
     for key, paths in owners.items():
         if key[0] in captured_storages:
             continue
         path = min(paths, key=len)   # the outermost eager module that saved it
-        counts[path] = counts.get(path, 0) + sizes[key]
-    return counts
+        exact, copied = counts.get(path, (0, 0))
+        counts[path] = (exact + sizes[key][0], copied + sizes[key][1])
+    return {path: EagerSaved(*pair) for path, pair in counts.items()}

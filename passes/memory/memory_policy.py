@@ -53,7 +53,8 @@ from fxapprox.passes.memory.memory_widths import (RECOMPUTE_BITS, Widths, chain_
                                                   measured_widths, rebuilt_widths, recomputed, sign_exact,
                                                   uniform_widths, widest_first)
 from fxapprox.passes.memory.saved_values import dtype_bits, mib, saved_values
-from fxapprox.pipeline.records import BIT_ERRORS_KEY, EAGER_SAVED_KEY
+from fxapprox.pipeline.records import BIT_ERRORS_KEY, EAGER_COPY_KEY, EAGER_SAVED_KEY
+from fxapprox.runtime.saved_tensors import EAGER_COPY_BITS
 from fxapprox.plan import BlockDecision, MemoryPlan, SavedValueDecision
 
 
@@ -100,6 +101,9 @@ def resolve_recompute(gm: torch.fx.GraphModule, memory_budget: float | None, con
             total += value.exact_bytes
         else:
             total += value.bytes_at(max(8, value.min_bits), group)
+    # eager code's saves may be kept as copies (8 bits) first
+    total -= sum(n.meta.get(EAGER_SAVED_KEY, 0) - n.meta.get(EAGER_COPY_KEY, n.meta.get(EAGER_SAVED_KEY, 0))
+                 for n in gm.graph.nodes)
     exact_total = sum(v.exact_bytes for v in values.values()) + internal
     fits = total <= memory_budget * exact_total
     return cheap if fits else dataclasses.replace(config, activation_recompute="linear")
@@ -155,9 +159,28 @@ def _squared_error(widths: Widths) -> float:
 
 def _widths_for(gm: torch.fx.GraphModule, memory_budget: float | None, config: ApproxConfig,
                 checkpointed: tuple[Block, ...], compressed_recompute: bool = False) -> tuple[Widths, bool]:
-    """The widths the configured policy chooses with ``checkpointed`` blocks, and whether they were measured."""
+    """The widths the configured policy chooses with ``checkpointed`` blocks, and whether they were measured.
+
+    Eager code's saves (a region-captured model) are kept as :data:`EAGER_COPY_BITS`-bit copies when the budget
+    needs them: with them as they are, it is not met or some value goes below that width."""
+    widths, measured = _widths_at(gm, memory_budget, config, checkpointed, compressed_recompute, False)
+    if widths.eager_copy_bytes < widths.eager_bytes and _needs_eager_copies(widths, memory_budget, config):
+        widths, measured = _widths_at(gm, memory_budget, config, checkpointed, compressed_recompute, True)
+    return widths, measured
+
+
+def _needs_eager_copies(widths: Widths, memory_budget: float | None, config: ApproxConfig) -> bool:
+    if config.activation_bits is not None:
+        return config.activation_bits <= EAGER_COPY_BITS
+    if widths.planned_total() > memory_budget * widths.exact_total * (1 + 1e-9):
+        return True
+    return any(widths.compressed(n) and widths.bits[n] < EAGER_COPY_BITS for n in widths.candidates)
+
+
+def _widths_at(gm: torch.fx.GraphModule, memory_budget: float | None, config: ApproxConfig,
+               checkpointed: tuple[Block, ...], compressed_recompute: bool, copy_eager: bool) -> tuple[Widths, bool]:
     uniform_bits = config.activation_bits
-    widths = initial_widths(gm, config, checkpointed, compressed_recompute)
+    widths = initial_widths(gm, config, checkpointed, compressed_recompute, copy_eager)
     measured = config.activation_policy == "measured" and uniform_bits is None and all(
         BIT_ERRORS_KEY in widths.values[n].root.meta for n in widths.candidates)
     if uniform_bits is not None:
@@ -182,6 +205,8 @@ def _extra_seconds(widths: Widths, checkpointed: tuple[Block, ...], timings: Mem
     compressed = [(widths.bits[n], widths.values[n].exact_bytes) for n in widths.bits if widths.compressed(n)]
     compressed += [(bits, widths.values[n].exact_bytes) for block in widths.recompute_bits.values()
                    for n, bits in block.items() if bits < dtype_bits(widths.values[n].dtype)]
+    if widths.copy_eager:
+        compressed.append((EAGER_COPY_BITS, widths.eager_bytes))
     rebuilt = sum(widths.values[n].exact_bytes for n in widths.rebuilt)
     return (sum(timings.recompute_seconds[b.name] for b in checkpointed)
             + timings.value_scale * _value_seconds(compressed, rebuilt, timings))
@@ -191,6 +216,8 @@ def calibrated_timings(timings: MemoryTimings, memory_plan: MemoryPlan, measured
     """``timings`` with ``value_scale`` set so that ``memory_plan`` (no block checkpointed) is predicted to take
     ``measured_time`` exact steps (the scale stays 1 when it compresses nothing or measured no slower)."""
     compressed = [(v.bits, v.exact_bytes) for v in memory_plan.values if v.compressed]
+    if memory_plan.eager_copy_bits is not None:
+        compressed.append((memory_plan.eager_copy_bits, memory_plan.eager_bytes))
     rebuilt = sum(v.exact_bytes for v in memory_plan.values if v.recomputed_from is not None)
     modelled = _value_seconds(compressed, rebuilt, timings)
     extra = (measured_time - 1.0) * timings.step_seconds
@@ -249,8 +276,15 @@ def _memory_plan(gm: torch.fx.GraphModule, widths: Widths, memory_budget: float 
                    f"and {mib(widths.planned_internal)} of temporaries stay as they are")
     predicted = math.sqrt(_squared_error(widths)) if measured else None
     error_text = "" if predicted is None else f"; predicted model-gradient error {predicted:.3f}"
-    eager = sum(n.meta.get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
-    eager_text = f"; {mib(eager)} saved by eager code, kept exact" if eager else ""
+    eager = widths.eager_bytes
+    eager_planned = widths.eager_copy_bytes if widths.copy_eager else eager
+    if not eager:
+        eager_text = ""
+    elif widths.copy_eager:
+        eager_text = (f"; {mib(eager)} saved by eager code, kept as {EAGER_COPY_BITS}-bit copies where eligible "
+                      f"({mib(eager_planned)})")
+    else:
+        eager_text = f"; {mib(eager)} saved by eager code, kept exact"
     checkpointed = sum(b.checkpointed for b in blocks)
     recompute_bytes = widths.recompute_peak()[1] if planned > widths.kept_total() else 0
     blocks_text = (f"; {checkpointed} of {len(blocks)} blocks checkpointed" if blocks else "") + (
@@ -275,4 +309,6 @@ def _memory_plan(gm: torch.fx.GraphModule, widths: Widths, memory_budget: float 
     return MemoryPlan(memory_budget=memory_budget, total_exact_bytes=int(exact_total),
                       total_planned_bytes=int(planned), internal_bytes=int(widths.internal), budget_met=met,
                       note=note, values=tuple(decisions), predicted_error=predicted, eager_bytes=int(eager),
+                      eager_planned_bytes=int(eager_planned),
+                      eager_copy_bits=EAGER_COPY_BITS if widths.copy_eager else None,
                       blocks=blocks, predicted_time=predicted_time, recompute_bytes=int(recompute_bytes))

@@ -19,7 +19,7 @@ from fxapprox.passes.memory.blocks import Block, node_bytes
 from fxapprox.passes.memory.measure_saved import SAVED_BITS
 from fxapprox.passes.memory.saved_values import SavedValue, dtype_bits, is_relu, saved_values
 from fxapprox.passes.policy._allocation import least_error_allocation
-from fxapprox.pipeline.records import BIT_ERRORS_KEY, saved_of
+from fxapprox.pipeline.records import BIT_ERRORS_KEY, EAGER_COPY_KEY, EAGER_SAVED_KEY, saved_of
 from fxapprox.runtime.recompute import RECOMPUTABLE_FUNCTIONS, RECOMPUTABLE_METHODS, RECOMPUTABLE_MODULES
 
 _RECIPE_NAMES = {function: name for name, function in RECOMPUTABLE_FUNCTIONS.items()}
@@ -156,6 +156,9 @@ class Widths:
     root_of: dict[str, str] = dataclasses.field(default_factory=dict)     # node (any alias) → its value
     recompute_bits: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # block → {value: bits}
     recompute_errors: float = 0.0        # predicted squared gradient error of compressed re-runs
+    eager_bytes: int = 0                 # of ``internal``, what eager code saves (a region-captured model)
+    eager_copy_bytes: int = 0            # the same, kept as copies (``EAGER_COPY_KEY``)
+    copy_eager: bool = False             # whether the plan keeps eager code's saves as copies
 
     @property
     def exact_total(self) -> int:
@@ -224,10 +227,11 @@ def _recompute_widths(values: dict[str, SavedValue], block: Block, config: Appro
 
 
 def initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed: tuple[Block, ...] = (),
-                    compressed_recompute: bool = False) -> Widths:
+                    compressed_recompute: bool = False, copy_eager: bool = False) -> Widths:
     """Every value at its dtype's width, the rebuilt ones chosen, the ineligible ones with their reason; with
     ``checkpointed`` blocks, the values only they save freed, their inputs held by the checkpoint and what each
-    re-run holds (with ``compressed_recompute``, as copies where its inputs let the re-run be reentrant)."""
+    re-run holds (with ``compressed_recompute``, as copies where its inputs let the re-run be reentrant); with
+    ``copy_eager``, eager code's saves (a region-captured model) kept as copies."""
     values, internal, internal_bool = saved_values(gm)
     freed = {name: block.name for block in checkpointed for name in block.interior}
     root_of = {m.name: name for name, value in values.items() for m in value.members}
@@ -248,6 +252,11 @@ def initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed:
     widths = Widths(values, rebuilt, config.activation_group_size, internal,
                      internal - internal_bool + (internal_bool + 7) // 8, freed=freed,
                      held=sum(node_bytes(by_name[i]) for i in held))
+    widths.eager_bytes = sum(n.meta.get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
+    widths.eager_copy_bytes = sum(n.meta.get(EAGER_COPY_KEY, n.meta.get(EAGER_SAVED_KEY, 0)) for n in gm.graph.nodes)
+    widths.copy_eager = copy_eager and widths.eager_copy_bytes < widths.eager_bytes
+    if widths.copy_eager:
+        widths.planned_internal -= widths.eager_bytes - widths.eager_copy_bytes
     order = {node.name: i for i, node in enumerate(gm.graph.nodes)}
     widths.positions = {name: order[value.root.name] for name, value in values.items()}
     widths.root_of = root_of

@@ -12,6 +12,7 @@ from torch import nn
 from fxapprox.ops.attention import attention_from_saved_inputs
 from fxapprox.ops.quantize import quantized_nbytes
 from fxapprox.pipeline.records import EAGER_SAVED_KEY, SAME_TENSOR_KEY, saved_of
+from fxapprox.runtime.saved_tensors import memory_row
 
 __all__ = ["EXPONENTIATING_SAVERS", "SavedValue", "dtype_bits", "is_relu", "mib",
            "saved_values"]
@@ -73,6 +74,9 @@ class SavedValue:
         tensor_meta = root.meta.get("tensor_meta")
         self.dtype = getattr(tensor_meta, "dtype", None)
         self.shape = list(tensor_meta.shape) if hasattr(tensor_meta, "shape") else None
+        # the row its copy's groups align to (fxapprox.ops.quantize.row_group)
+        self.row = (memory_row(tensor_meta.shape, tensor_meta.stride)
+                    if getattr(tensor_meta, "stride", None) is not None else None)
 
     @property
     def exact_bytes(self) -> int:
@@ -84,9 +88,9 @@ class SavedValue:
             return self.exact_bytes
         element = width // 8
         total = 0
-        for part in (self.direct, self.derived):
+        for part, row in ((self.direct, self.row), (self.derived, None)):
             if part:
-                total += quantized_nbytes(part // element, bits, group_size)
+                total += quantized_nbytes(part // element, bits, group_size, row)
         return total
 
 
