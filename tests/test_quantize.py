@@ -132,7 +132,8 @@ def test_compiled_kernels_equal_eager():
 def test_groups_align_to_rows_so_a_row_of_zeros_comes_back_exactly():
     from fxapprox.ops.quantize import row_group
 
-    assert [row_group(256, row) for row in (384, 128, 1024, 96, 48, None)] == [128, 128, 256, 256, 256, 256]
+    assert [row_group(256, row) for row in (384, 128, 1024, 96, 48, None, 8 * 1009)] == [384, 128, 256, 256, 256,
+                                                                                         256, 256]
     torch.manual_seed(0)
     x = torch.randn(4, 16, 384)
     x[1, 3] = 0.0                       # a padding token's embedding
@@ -142,7 +143,7 @@ def test_groups_align_to_rows_so_a_row_of_zeros_comes_back_exactly():
         assert torch.equal(rebuilt[1, 3], torch.zeros(384))
         assert (rebuilt[2, 7] - x[2, 7]).abs().max() <= x[2, 7].abs().max()   # its own scale, not its neighbours'
         assert copy.nbytes == quantized_nbytes(x.numel(), 2, 256, row=384)
-    assert quantized_nbytes(x.numel(), 2, 256, row=384) == x.numel() // 128 * (128 * 2 // 8 + 4)
+    assert quantized_nbytes(x.numel(), 2, 256, row=384) == x.numel() // 384 * (384 * 2 // 8 + 4)
 
 
 def test_a_zero_row_keeps_a_normalisation_backward_finite():
