@@ -197,3 +197,52 @@ def test_a_budget_below_what_eager_code_saves_is_met_on_a_hugging_face_llama():
     assert memory.budget_met and memory.eager_copy_bits == 8, memory.note
     assert memory.eager_bytes > 0.08 * memory.total_exact_bytes   # out of reach with them as they are
     check_plan_against_a_step(approx, model, inputs, lambda out: out.loss)
+
+
+@pytest.fixture
+def free_recompute(monkeypatch):
+    """Timings under which re-running a region block costs nothing and packing is dear: the plan checkpoints
+    blocks rather than compressing values."""
+    from fxapprox.pipeline import eager
+
+    monkeypatch.setattr(eager, "region_recompute_seconds",
+                        lambda model, blocks, *args: {block.name: 1e-9 for block in blocks})
+    monkeypatch.setattr(eager, "pack_timings", lambda *args: {8: 1.0, 4: 1.0, 2: 1.0})
+    monkeypatch.setattr(eager, "cached_step_seconds", lambda *args: 1e-3)
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="hierarchical capture of HF models "
+                    "is tested on transformers 5")
+def test_a_region_captured_model_checkpoints_its_decoder_layers(free_recompute):
+    """A decoder layer runs its own code eagerly (its norms and MLP traced, its projections swapped, its attention
+    eager): checkpointing it frees all of that, re-run exactly in backward."""
+    from tests.test_hf_capture import build
+
+    model, inputs = build("llama")
+    inputs = {**inputs, "use_cache": False}
+    approx = fxapprox.approximate(model, 1.0, memory_budget=0.6, example_inputs=inputs, config=config())
+    memory = approx.plan.memory
+    assert [b.name for b in memory.blocks] == ["model.layers.0", "model.layers.1"]
+    assert memory.checkpointed and memory.budget_met and not memory.compressed, memory.note
+    freed = memory.checkpointed[0]
+    assert "frees" in freed.reason and "saved by its eager code" in freed.reason
+    expected = gradients(model, inputs, lambda out: out.loss)
+    got = gradients(approx, inputs, lambda out: out.loss)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6)
+    assert approx.saved_activation_stats.stored_bytes <= memory.total_planned_bytes
+    assert approx.saved_activation_stats.stored_bytes < 0.6 * memory.total_exact_bytes
+    for clone in (copy.deepcopy(approx), torch.load(_saved(approx), weights_only=False)):
+        cloned = gradients(clone, inputs, lambda out: out.loss)
+        for name, grad in expected.items():
+            torch.testing.assert_close(cloned[name], grad, rtol=1e-5, atol=1e-6)
+    approx.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(approx(**inputs).logits, model.eval()(**inputs).logits)
+
+
+def _saved(module) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return buffer

@@ -200,7 +200,8 @@ class ApproxConfig:
       again in backward (the re-run holding its values exact, or as 8-bit copies where the budget
       needs it) — where that is predicted to cost less step time than compressing what they save
       (each block's forward and the packer are timed on the example batch). ``False``: values
-      only. Traced models; a region-captured model plans values only.
+      only. In a region-captured model the blocks are its eager container items holding regions
+      (a Hugging Face decoder layer), checkpointed by their module, their re-run exact.
     - ``activation_replan_every``: with a ``memory_budget``, choose the widths again every
       this many training steps, measured on that step's batch and the current weights
       (``ApproxGraphModule.replan_memory``); ``None`` (default) plans once.

@@ -27,7 +27,11 @@ from fxapprox.passes.capture.eager_saved import count_eager_saved_bytes
 from fxapprox.passes.capture.regions import Region, capture_regions, record_calls
 from fxapprox.passes.capture.stitch import EagerCode, install_regions, stitch, stitched_loss
 from fxapprox.passes.measurement.candidates import enumerate_candidates
-from fxapprox.passes.measurement.measure_candidates import EXACT_STEP_KEY, cached_step_seconds, measure_candidates
+from fxapprox.passes.measurement.measure_candidates import (EXACT_STEP_KEY, _device_of, cached_step_seconds,
+                                                            measure_candidates)
+from fxapprox.passes.memory.blocks import MemoryTimings
+from fxapprox.passes.memory.measure_blocks import median_seconds, pack_timings
+from fxapprox.passes.memory.region_blocks import find_region_blocks, region_recompute_seconds
 from fxapprox.passes.policy.budget_policy import AUTO_BUDGET
 from fxapprox.passes.rewrite import rewrite_sampled_ops
 from fxapprox.pipeline.analysis import analyse, measurement_sandbox
@@ -36,11 +40,13 @@ from fxapprox.pipeline.memory_planning import memory_planned, plan_saved_activat
 from fxapprox.pipeline.row_planning import forward_sampling_harmless, make_row_plan, row_planned
 from fxapprox.passes.analysis.row_blocks import find_row_blocks, row_blocks_of
 from fxapprox.passes.measurement.measure_rows import eager_block_runs
+from fxapprox.pipeline.timing_cache import TimingCache
 from fxapprox.pipeline.records import EAGER_COPY_KEY, EAGER_SAVED_KEY, FLOPS_KEY, FlopCount, flops_of
 from fxapprox.plan import Plan
 from fxapprox.report import Report
 from fxapprox.runtime.model import ApproxRuntime, _shapes
 from fxapprox.runtime.model_state import ModelState, check_loaded
+from fxapprox.runtime.checkpointing import RegionCheckpoint
 from fxapprox.runtime.saved_markers import EagerCopies
 
 __all__ = ["ApproxModel", "approximate_eager"]
@@ -110,8 +116,25 @@ class ApproxModel(ApproxRuntime):
                                    untraced=tuple(dict(u) for u in state.untraced))
         rewrite_sampled_ops(planning, plan)
         if memory_planned(state.memory_budget, config):
-            plan = plan_saved_activations(planning, inputs, plan, state, config)
+            def region_blocks(values, largest):
+                blocks = find_region_blocks(planning, inputs, capture, received, values)
+                if not blocks:
+                    return (), None
+                with measurement_sandbox(self), self._exact_calls():
+                    step = cached_step_seconds(self, (args, kwargs),
+                                               lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), config)
+                    recompute = region_recompute_seconds(self, blocks, received, config, median_seconds)
+                cache = TimingCache.for_config(config.timing_cache, _device_of(inputs))
+                pack = pack_timings(largest, _device_of(inputs), config, cache)
+                cache.save()
+                return tuple(blocks), MemoryTimings(step, recompute, pack)
+
+            plan = plan_saved_activations(planning, inputs, plan, state, config, region_blocks=region_blocks)
         install_regions(self, planning, capture)
+        if plan.memory is not None:
+            for block in plan.memory.checkpointed:
+                module = self.get_submodule(block.name)
+                module.forward = RegionCheckpoint(module)
         if plan.memory is not None and plan.memory.eager_copy_bits is not None:
             copies = EagerCopies(plan.memory.eager_copy_bits, config.activation_min_bytes)
             for region in capture.regions:

@@ -28,21 +28,49 @@ The submodule owns no parameters: the modules and parameters the block uses are 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 import torch.fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from fxapprox.ops.training_context import current, training_context
 from fxapprox.runtime.saved_activations import compressing_saved_tensors
 
-__all__ = ["CheckpointedBlock", "call_module"]
+__all__ = ["CheckpointedBlock", "RegionCheckpoint", "call_module"]
 
 #: the parameters a block uses arrive as arguments and are never tagged: nothing to exclude by storage
 _NO_STATE = nn.Module()
+
+
+@contextlib.contextmanager
+def _running_statistics_kept(modules: list[nn.Module]):
+    """A re-run must not move a BatchNorm's running statistics a second time. Not by restoring them after (autograd
+    checks they are not written after the op that read them): momentum 0 keeps them as they are; only the batch
+    count is put back."""
+    norms = [(m, m.momentum, m.num_batches_tracked.clone()) for m in modules
+             if isinstance(m, _BatchNorm) and m.track_running_stats and m.training]
+    for norm, _, _ in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        for norm, momentum, count in norms:
+            norm.momentum = momentum
+            with torch.no_grad():
+                norm.num_batches_tracked.copy_(count)
+
+
+def _replay(context) -> dict:
+    """Backward re-runs a block outside the forward's context: the step's view of it (a guarded step draws from a
+    fork of the RNG), less the compressor (the block's own tensors are not saved)."""
+    replay = {field.name: getattr(context, field.name) for field in dataclasses.fields(context)}
+    replay["compressor"] = None
+    return replay
 
 
 def call_module(module: nn.Module, *args, **kwargs):
@@ -70,10 +98,7 @@ class CheckpointedBlock(nn.Module):
         context = current()
         if context.compressor is None or not torch.is_grad_enabled():
             return self.code(*inputs)
-        # Backward re-runs the block outside the forward's context: carry the step's view of it (a guarded step
-        # draws from a fork of the RNG), less the compressor (the block's own tensors are not saved).
-        replay = {field.name: getattr(context, field.name) for field in dataclasses.fields(context)}
-        replay["compressor"] = None
+        replay = _replay(context)
         reentrant = (self.compressed_inputs or self.recompute_saving is not None) and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
         compress_rerun = reentrant and self.recompute_saving is not None
@@ -82,27 +107,57 @@ class CheckpointedBlock(nn.Module):
         def run(*args):
             rerun = bool(calls)
             calls.append(1)
-            # The re-run must not move a BatchNorm's running statistics a second time. Not by restoring them after
-            # (autograd checks they are not written after the op that read them): momentum 0 keeps them as they
-            # are; only the batch count is put back.
-            norms = [(m, m.momentum, m.num_batches_tracked.clone()) for m in args
-                     if isinstance(m, _BatchNorm) and m.track_running_stats and m.training] if rerun else []
-            for norm, _, _ in norms:
-                norm.momentum = 0.0
-            try:
-                with training_context(**replay):
-                    if compress_rerun and torch.is_grad_enabled():   # the re-run in backward (reentrant)
-                        with compressing_saved_tensors(self.recompute_saving, _NO_STATE):
-                            return self.code(*args)
-                    return self.code(*args)
-            finally:
-                for norm, momentum, count in norms:
-                    norm.momentum = momentum
-                    with torch.no_grad():
-                        norm.num_batches_tracked.copy_(count)
+            with _running_statistics_kept([m for m in args if isinstance(m, nn.Module)] if rerun else []), \
+                    training_context(**replay):
+                if compress_rerun and torch.is_grad_enabled():   # the re-run in backward (reentrant)
+                    with compressing_saved_tensors(self.recompute_saving, _NO_STATE):
+                        return self.code(*args)
+                return self.code(*args)
 
         return checkpoint(run, *inputs, use_reentrant=reentrant, preserve_rng_state=True)
 
     def extra_repr(self) -> str:
         return (f"block={self.block!r}, compressed_inputs={self.compressed_inputs}, "
                 f"compressed_rerun={self.recompute_saving is not None}")
+
+
+class RegionCheckpoint:
+    """The ``forward`` of a checkpointed block of a region-captured model (``fxapprox.passes.memory.region_blocks``),
+    set on its module as an instance attribute (its class, parameters and ``state_dict`` keys are untouched).
+
+    In a compressing training forward it runs the module's own forward under the reentrant
+    ``torch.utils.checkpoint``: the forward runs without saving anything (the plan's markers still tag what they
+    mark, so the block's inputs are kept through the compressing hooks at their planned width), and backward
+    re-runs it exactly. Elsewhere it is the module's forward. The tensors it is called with that require a
+    gradient are the checkpoint's inputs; the other arguments (masks, rotary tables) are held as they are.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        forward = type(module).forward
+        context = current()
+        if context.compressor is None or not torch.is_grad_enabled():
+            return forward(module, *args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        slots = [i for i, value in enumerate(flat) if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not slots:
+            return forward(module, *args, **kwargs)
+        replay = _replay(context)
+        calls = []
+
+        def run(*tensors):
+            rerun = bool(calls)
+            calls.append(1)
+            values = list(flat)
+            for slot, tensor in zip(slots, tensors):
+                values[slot] = tensor
+            call_args, call_kwargs = tree_unflatten(values, spec)
+            if not rerun:   # the forward (no grad): the markers tag the block's inputs for the checkpoint's save
+                return forward(module, *call_args, **call_kwargs)
+            with _running_statistics_kept(list(module.modules())), training_context(**replay):
+                return forward(module, *call_args, **call_kwargs)
+
+        return checkpoint(run, *(flat[slot] for slot in slots), use_reentrant=True, preserve_rng_state=True)

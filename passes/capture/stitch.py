@@ -30,7 +30,7 @@ from fxapprox.pipeline.records import (DOWNSTREAM_OUTSIDE_KEY, EAGER_REASON_KEY,
 from fxapprox.runtime.graph_pickle import RecordedGraphModule
 from fxapprox.runtime.saved_markers import compress_saved
 
-__all__ = ["EagerCode", "REGION_KEY", "install_regions", "stitch", "stitched_loss"]
+__all__ = ["EagerCode", "REGION_KEY", "install_regions", "stitch", "stitched_loss", "tensor_identity"]
 
 #: ``node.meta`` key: the path of the region a stitched node belongs to
 REGION_KEY = "fxapprox_region"
@@ -73,7 +73,7 @@ def _safe(path: str) -> str:
     return path.replace(".", "_") or "root"
 
 
-def _tensor_identity(value) -> tuple | None:
+def tensor_identity(value) -> tuple | None:
     """What makes two recorded inputs the same tensor (each recorded input is its own detached view)."""
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         return None
@@ -88,7 +88,7 @@ def _input(graph: torch.fx.Graph, name: str, value, path: str, firsts: dict[tupl
     made.meta[REGION_KEY] = path
     if isinstance(value, torch.Tensor) and value.requires_grad:
         made.meta[UPSTREAM_OUTSIDE_KEY] = True
-    key = _tensor_identity(value)
+    key = tensor_identity(value)
     if key is not None:
         if key in firsts:
             made.meta[SAME_TENSOR_KEY] = firsts[key].name
@@ -139,7 +139,7 @@ def stitch(model: nn.Module, capture: Capture, inputs: dict[str, RegionInputs]) 
         if region.kind == "leaf":
             def leaf_input(name: str, value) -> torch.fx.Node:
                 # leaves fed the same tensor (q, k and v projections) share one placeholder
-                key = _tensor_identity(value)
+                key = tensor_identity(value)
                 if key is not None and key in leaf_inputs:
                     return leaf_inputs[key]
                 values.append(value)

@@ -36,6 +36,11 @@ class Block:
     interior_bytes: int            #: their exact bytes
     input_bytes: int               #: bytes of its inputs (what a checkpoint keeps exact)
     inputs_need_grad: bool         #: whether an input requires a gradient (the reentrant checkpoint's condition)
+    #: a module of a region-captured model (``fxapprox.passes.memory.region_blocks``): checkpointed by its module,
+    #: its eager code's saves freed with it (``eager_bytes``, ``eager_copy_bytes`` as copies), its re-run exact
+    module_level: bool = False
+    eager_bytes: int = 0
+    eager_copy_bytes: int = 0
 
 
 def block_of(node: torch.fx.Node) -> str | None:

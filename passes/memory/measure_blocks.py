@@ -29,10 +29,11 @@ from fxapprox.pipeline.timing_cache import TimingCache, _describe, step_key
 from fxapprox.plan import MemoryPlan
 from fxapprox.runtime.saved_activations import SavingOptions, compressing_saved_tensors
 
-__all__ = ["MemoryTimings", "measure_memory_options", "measure_memory_step"]
+__all__ = ["MemoryTimings", "measure_memory_options", "measure_memory_step", "median_seconds", "pack_seconds",
+           "pack_timings"]
 
 
-def _median_seconds(run, repeats: int) -> float:
+def median_seconds(run, repeats: int) -> float:
     run()   # warm-up
     times = []
     for _ in range(max(1, repeats)):
@@ -75,12 +76,12 @@ def _recompute_seconds(gm, block: Block, values: dict, repeats: int, cache: Timi
     if cached is not None:
         return cached["seconds"]
     with torch.enable_grad():
-        seconds = _median_seconds(lambda: function(*args), repeats)
+        seconds = median_seconds(lambda: function(*args), repeats)
     cache.put(key, {"seconds": seconds})
     return seconds
 
 
-def _pack_seconds(numel: int, dtype: torch.dtype, device, config: ApproxConfig, cache: TimingCache
+def pack_seconds(numel: int, dtype: torch.dtype, device, config: ApproxConfig, cache: TimingCache
                   ) -> dict[int, float]:
     key = (f"memory-pack:{numel}:{dtype}:{config.activation_group_size}:{config.activation_rounding}:"
            f"{config.activation_compile}:{config.measure_repeats}")
@@ -93,7 +94,7 @@ def _pack_seconds(numel: int, dtype: torch.dtype, device, config: ApproxConfig, 
         def run(bits=bits):
             quantize(tensor, bits, group_size=config.activation_group_size, rounding=config.activation_rounding,
                      compiled=config.activation_compile).dequantize()
-        per_byte[bits] = _median_seconds(run, config.measure_repeats) / (numel * tensor.element_size())
+        per_byte[bits] = median_seconds(run, config.measure_repeats) / (numel * tensor.element_size())
     cache.put(key, {str(bits): seconds for bits, seconds in per_byte.items()})
     return per_byte
 
@@ -107,15 +108,20 @@ def measure_memory_options(gm: torch.fx.GraphModule, blocks: list[Block], larges
     step = cached_step_seconds(gm, inputs, lambda: gm.forward(*inputs), config)
     values = _block_inputs(gm, blocks, inputs) if blocks else {}
     recompute = {block.name: _recompute_seconds(gm, block, values, repeats, cache) for block in blocks}
-    pack = {}
-    meta = largest.meta.get("tensor_meta") if largest is not None else None
-    if meta is not None and hasattr(meta, "shape"):
-        numel = 1
-        for size in meta.shape:
-            numel *= int(size)
-        pack = _pack_seconds(numel, meta.dtype, _device_of(inputs), config, cache)
+    pack = pack_timings(largest, _device_of(inputs), config, cache)
     cache.save()
     return MemoryTimings(step, recompute, pack)
+
+
+def pack_timings(largest: torch.fx.Node | None, device, config: ApproxConfig, cache: TimingCache) -> dict[int, float]:
+    """Seconds per exact byte to pack and unpack a tensor the size of ``largest``'s value, at each width."""
+    meta = largest.meta.get("tensor_meta") if largest is not None else None
+    if meta is None or not hasattr(meta, "shape"):
+        return {}
+    numel = 1
+    for size in meta.shape:
+        numel *= int(size)
+    return pack_seconds(numel, meta.dtype, device, config, cache)
 
 
 def _plan_key(memory_plan: MemoryPlan) -> str:

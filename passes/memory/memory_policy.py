@@ -133,7 +133,8 @@ def plan_memory(gm: torch.fx.GraphModule, memory_budget: float | None, config: A
     if uniform_bits is not None or timings is None or not blocks:
         widths, measured = _widths_for(gm, memory_budget, config, ())
         return _memory_plan(gm, widths, memory_budget, uniform_bits, measured)
-    order = sorted(blocks, key=lambda b: -b.interior_bytes / max(timings.recompute_seconds[b.name], 1e-9))
+    order = sorted(blocks, key=lambda b: -(b.interior_bytes + b.eager_bytes) / max(timings.recompute_seconds[b.name],
+                                                                                     1e-9))
     options = []
     for count in range(len(order) + 1):
         chosen = tuple(order[:count])
@@ -237,7 +238,8 @@ def _block_decisions(gm: torch.fx.GraphModule, widths: Widths, blocks: tuple[Blo
         recompute_values = []
         if checkpointed:
             reason = (f"checkpointed: re-run in backward ({seconds * 1e3:.1f} ms, {seconds / step:.1%} of the exact "
-                      f"step) frees {mib(block.interior_bytes)}")
+                      f"step) frees {mib(block.interior_bytes + block.eager_bytes)}"
+                      + (f", {mib(block.eager_bytes)} of it saved by its eager code" if block.eager_bytes else ""))
             if bits:
                 held = sum(widths.values[n].bytes_at(b, widths.group) for n, b in bits.items())
                 reason += f"; the re-run keeps its values as {RECOMPUTE_BITS}-bit copies ({mib(held)})"

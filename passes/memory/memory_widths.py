@@ -252,8 +252,12 @@ def initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed:
     widths = Widths(values, rebuilt, config.activation_group_size, internal,
                      internal - internal_bool + (internal_bool + 7) // 8, freed=freed,
                      held=sum(node_bytes(by_name[i]) for i in held))
-    widths.eager_bytes = sum(n.meta.get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
-    widths.eager_copy_bytes = sum(n.meta.get(EAGER_COPY_KEY, n.meta.get(EAGER_SAVED_KEY, 0)) for n in gm.graph.nodes)
+    # eager code inside a checkpointed module is freed with it; the rest may be kept as copies
+    freed_eager = sum(block.eager_bytes for block in checkpointed)
+    widths.eager_bytes = sum(n.meta.get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes) - freed_eager
+    widths.eager_copy_bytes = sum(n.meta.get(EAGER_COPY_KEY, n.meta.get(EAGER_SAVED_KEY, 0)) for n in gm.graph.nodes
+                                  ) - sum(block.eager_copy_bytes for block in checkpointed)
+    widths.planned_internal -= freed_eager
     widths.copy_eager = copy_eager and widths.eager_copy_bytes < widths.eager_bytes
     if widths.copy_eager:
         widths.planned_internal -= widths.eager_bytes - widths.eager_copy_bytes
@@ -268,7 +272,7 @@ def initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed:
             widths.candidates.remove(name)
             widths.reasons[name] = "kept: an alias of it is made inside a checkpointed block"
     for block in checkpointed:
-        if compressed_recompute and block.inputs_need_grad:
+        if compressed_recompute and block.inputs_need_grad and not block.module_level:
             widths.recompute_bits[block.name] = _recompute_widths(values, block, config)
             bits = widths.recompute_bits[block.name]
             held_bytes = sum(values[n].bytes_at(bits[n], widths.group) for n in block.interior)
@@ -276,7 +280,7 @@ def initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed:
                 values[n].root.meta[BIT_ERRORS_KEY][bits[n]]["contribution"] for n in block.interior
                 if bits[n] in SAVED_BITS and BIT_ERRORS_KEY in values[n].root.meta)
         else:
-            held_bytes = block.interior_bytes
+            held_bytes = block.interior_bytes + block.eager_bytes
         widths.recomputing.append((order[block.nodes[-1]], held_bytes, block))
     for name in widths.rebuilt:  # a rebuilt value's floor (attention reads it) binds the value it is rebuilt from
         root = values[chain_root(widths.rebuilt, name)]
