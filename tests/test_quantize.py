@@ -132,8 +132,8 @@ def test_compiled_kernels_equal_eager():
 def test_groups_align_to_rows_so_a_row_of_zeros_comes_back_exactly():
     from fxapprox.ops.quantize import row_group
 
-    assert [row_group(256, row) for row in (384, 128, 1024, 96, 48, None, 8 * 1009)] == [384, 128, 256, 256, 256,
-                                                                                         256, 256]
+    assert [row_group(256, row) for row in (384, 128, 192, 1024, 96, 48, 100, None, 8 * 1009)] == [
+        384, 128, 192, 256, 96, 256, 256, 256, 256]
     torch.manual_seed(0)
     x = torch.randn(4, 16, 384)
     x[1, 3] = 0.0                       # a padding token's embedding

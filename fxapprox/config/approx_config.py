@@ -179,8 +179,8 @@ class ApproxConfig:
       letting ``memory_budget`` choose.
     - ``activation_group_size``: elements per quantisation group (one bf16 offset
       and step each); a multiple of 8. Groups stay inside a value's rows: where it
-      does not divide the row length, a longer row's smallest divisor above it (up to 4x), a shorter row's
-      largest common divisor with it (at least 64).
+      does not divide the row length, a longer row's smallest divisor above it (up to 4x), a shorter row
+      itself (at least 64 elements).
     - ``activation_rounding``: ``"stochastic"`` (unbiased, default) or ``"nearest"``.
     - ``activation_min_bytes``: saved values smaller than this stay as they are.
     - ``activation_policy``: how ``memory_budget`` picks each value's bits: ``"measured"``

@@ -217,17 +217,16 @@ def row_group(group_size: int, row: int | None) -> int:
     """The group size a tensor whose rows (innermost memory dimension) hold ``row`` elements is packed with, so
     that no group spans two rows: a row of zeros — a padding token's embedding — comes back exactly zero, and a
     row far smaller than its neighbours keeps its own scale (a normalisation's backward multiplies by the row's
-    own ``rsqrt`` cubed). ``group_size`` when it divides the row; for a longer row, its smallest divisor above
-    ``group_size`` up to four times it (a multiple of 8: a 384-wide row is one group, which costs fewer bytes than
-    groups of 256); for a shorter row, the largest divisor of ``group_size`` that divides it, if at least :data:`MIN_ROW_GROUP`;
-    otherwise (or ``row`` unknown) ``group_size``."""
+    own ``rsqrt`` cubed). ``group_size`` when it divides the row; a longer row's smallest divisor above
+    ``group_size``, up to four times it (a 384-wide row is one group, fewer bytes than groups of 256); a shorter
+    row itself, if at least :data:`MIN_ROW_GROUP`; all a multiple of 8. Otherwise (or ``row`` unknown)
+    ``group_size``."""
     if not row or row % group_size == 0:
         return group_size
     if row > group_size:
         return next((size for size in range(group_size + 8, min(row, 4 * group_size) + 1, 8) if row % size == 0),
                     group_size)
-    aligned = math.gcd(group_size, row)
-    return aligned if aligned >= MIN_ROW_GROUP else group_size
+    return row if row % 8 == 0 and row >= MIN_ROW_GROUP else group_size
 
 
 def _flattened_row(tensor: torch.Tensor) -> int | None:
