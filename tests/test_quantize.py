@@ -175,3 +175,17 @@ def test_a_zero_row_keeps_a_normalisation_backward_finite():
     out = approx(ids)
     (out * torch.randn_like(out)).sum().backward()
     assert all(torch.isfinite(p.grad).all() and p.grad.abs().max() < 1e3 for p in approx.parameters())
+
+
+def test_the_rows_groups_align_to_are_feature_rows():
+    from fxapprox.runtime.saved_tensors import memory_row
+
+    def row(t):
+        return memory_row(t.shape, t.stride())
+
+    tokens = torch.randn(8, 16, 384)
+    assert row(tokens) == 384 and row(tokens[:, :, :100]) == 100 and row(tokens.transpose(1, 2)) is None
+    assert row(torch.randn(8, 4, 16, 48)) is None                        # attention's heads
+    assert row(torch.randn(2, 64, 7, 7)) is None                         # a map's spatial row
+    assert row(torch.randn(2, 64, 7, 7).to(memory_format=torch.channels_last)) == 64
+    assert row(torch.randn(5)) is None

@@ -178,7 +178,8 @@ class ApproxConfig:
       (2, 4 or 8; 32 routes them through the hooks uncompressed) instead of
       letting ``memory_budget`` choose.
     - ``activation_group_size``: elements per quantisation group (one bf16 offset
-      and step each); a multiple of 8. Groups stay inside a value's rows: where it
+      and step each); a multiple of 8. Groups stay inside a value's feature rows (the last
+      dimension of a 2-d or 3-d value, a channels-last map's channels): where it
       does not divide the row length, a longer row's smallest divisor above it (up to 4x), a shorter row
       itself (at least 64 elements).
     - ``activation_rounding``: ``"stochastic"`` (unbiased, default) or ``"nearest"``.

@@ -230,13 +230,16 @@ def row_group(group_size: int, row: int | None) -> int:
 
 
 def _flattened_row(tensor: torch.Tensor) -> int | None:
-    """The row length of ``tensor`` as :func:`_memory_order_flat` lays it out (channels for NHWC, else the last
-    dimension); ``None`` for a 0-d or 1-d tensor."""
+    """The feature row of ``tensor`` as :func:`_memory_order_flat` lays it out (as
+    :func:`fxapprox.runtime.saved_tensors.memory_row`): the last dimension of a 2-d or 3-d tensor, the channels
+    of a channels-last map, else ``None``."""
     if tensor.dim() < 2:
         return None
+    if tensor.dim() <= 3:
+        return tensor.shape[-1]
     if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
         return tensor.shape[1]
-    return tensor.shape[-1]
+    return None
 
 
 def _memory_order_flat(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -277,8 +280,8 @@ def quantize(tensor: torch.Tensor, bits: int, *, group_size: int = 256, rounding
              sign_exact: bool = False, compiled: bool = False,
              generator: torch.Generator | None = None, row: int | None = None) -> QuantizedTensor:
     """Pack a floating-point ``tensor`` into ``bits``-bit codes (2, 4 or 8) per group of ``group_size``, aligned
-    to its rows (:func:`row_group`; ``row``: the row length of a tensor passed flattened, else its own last
-    dimension, or its channels for a channels-last one).
+    to its feature rows (:func:`row_group`; ``row``: the row length of a tensor passed flattened, else its own
+    last dimension when it has 2 or 3, or its channels when it is channels-last).
 
     Example::
 

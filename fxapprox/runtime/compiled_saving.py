@@ -37,6 +37,7 @@ import torch
 import torch.fx
 
 from fxapprox.ops.quantize import row_group
+from fxapprox.runtime.saved_tensors import memory_row
 
 __all__ = ["CompiledSaving", "compiled_widths", "pack_saved", "unpack_saved"]
 
@@ -130,7 +131,7 @@ def pack_saved(tensor: torch.Tensor, key: str):
         return tensor
     flat = tensor.reshape(-1)
     numel = flat.numel()
-    size = row_group(saving.group_size, tensor.shape[-1] if tensor.dim() > 1 else None)   # groups within rows
+    size = row_group(saving.group_size, memory_row(tensor.shape, tensor.stride()))   # groups within feature rows
     pad = -numel % size
     if pad:   # the tail group padded with its own last value, so it does not widen the range
         flat = torch.cat([flat, flat[-1:].expand(pad)])

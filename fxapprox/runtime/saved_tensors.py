@@ -35,15 +35,20 @@ def is_dense(tensor: torch.Tensor) -> bool:
 
 
 def memory_row(shape, stride) -> int | None:
-    """The row length of a tensor of this geometry as :func:`memory_order` lays it out — the size of its stride-1
-    dimension when dense, its last dimension when copied in logical order — which its packed copy's groups
-    align to (:func:`fxapprox.ops.quantize.row_group`); ``None`` for a 0-d or 1-d one."""
+    """The feature row of a tensor of this geometry as :func:`memory_order` lays it out, which its packed copy's
+    groups align to (:func:`fxapprox.ops.quantize.row_group`): the last dimension of a 2-d or 3-d tensor
+    (a token's features), the channels of a dense 4-d or 5-d one whose channels are innermost (channels-last);
+    ``None`` otherwise — a map's last dimension is a spatial row, and attention's heads are rows of a token's
+    features, which groups span freely."""
     shape, stride = tuple(shape), tuple(stride)
     if len(shape) < 2:
         return None
-    if not _dense(shape, stride):
-        return shape[-1]
-    return next((size for size, step in zip(shape, stride) if size > 1 and step == 1), shape[-1])
+    dense = _dense(shape, stride)
+    innermost = next((index for index, (size, step) in enumerate(zip(shape, stride)) if size > 1 and step == 1),
+                     len(shape) - 1) if dense else len(shape) - 1
+    if len(shape) <= 3:
+        return shape[innermost] if innermost == len(shape) - 1 else None
+    return shape[1] if innermost == 1 else None
 
 
 def _dense(shape: tuple, strides: tuple) -> bool:
