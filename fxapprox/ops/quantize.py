@@ -150,7 +150,8 @@ def _run(kind: str, compiled: bool, *args):
     index = 0 if kind == "encode" else 1
     if compiled and not _compile_failed:
         try:
-            # the number of groups varies with the tensor; the group size (column noise) does not
+            # the number of groups varies with the tensor (marked dynamic); a group size (a value's row) compiles
+            # kernels of its own
             per_group = (args[0], args[2]) if kind == "encode" else args[:3]
             for tensor in per_group:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)

@@ -67,7 +67,9 @@ def choose_memory_plan(gm: torch.fx.GraphModule, inputs: tuple, memory_budget: f
             regions_ratio = measure_memory_step(gm, values_only, inputs, config)
             regions_step = cached_step_seconds(gm, inputs, lambda: gm.forward(*inputs), config)
         measured = 1.0 + (regions_ratio - 1.0) * regions_step / timings.step_seconds
-        return plan_memory(gm, memory_budget, config, tuple(blocks), calibrated_timings(timings, values_only, measured))
+        regions_only = dataclasses.replace(values_only, eager_copy_bits=None)   # what that step packed
+        return plan_memory(gm, memory_budget, config, tuple(blocks),
+                           calibrated_timings(timings, regions_only, measured))
     # The packer timed alone misses what a compressing step pays around it: calibrate on the values-only plan's
     # measured step, then weigh blocks against values.
     with measurement_sandbox(gm):

@@ -146,7 +146,7 @@ class RegionCheckpoint:
         if not slots:
             return forward(module, *args, **kwargs)
         replay = _replay(context)
-        calls = []
+        calls, structure = [], []
 
         def run(*tensors):
             rerun = bool(calls)
@@ -156,8 +156,20 @@ class RegionCheckpoint:
                 values[slot] = tensor
             call_args, call_kwargs = tree_unflatten(values, spec)
             if not rerun:   # the forward (no grad): the markers tag the block's inputs for the checkpoint's save
-                return forward(module, *call_args, **call_kwargs)
-            with _running_statistics_kept(list(module.modules())), training_context(**replay):
-                return forward(module, *call_args, **call_kwargs)
+                output = forward(module, *call_args, **call_kwargs)
+            else:
+                with _running_statistics_kept(list(module.modules())), training_context(**replay):
+                    output = forward(module, *call_args, **call_kwargs)
+            # the checkpoint hands on gradients through tensors it returns: a dict or a ModelOutput goes flat
+            leaves, output_spec = tree_flatten(output)
+            structure[:] = [output_spec]
+            return tuple(leaves)
 
-        return checkpoint(run, *(flat[slot] for slot in slots), use_reentrant=True, preserve_rng_state=True)
+        # What the checkpoint saves (its inputs) is this block's, at the widths the plan gave them: not copies of
+        # the eager code around it.
+        context.compressor.enter_eager(None, 0, self)
+        try:
+            leaves = checkpoint(run, *(flat[slot] for slot in slots), use_reentrant=True, preserve_rng_state=True)
+        finally:
+            context.compressor.exit_eager(self)
+        return tree_unflatten(list(leaves), structure[0])

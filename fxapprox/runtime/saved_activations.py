@@ -108,9 +108,9 @@ class SavedTensorCompressor:
         self._pending: dict[int, list[tuple[_Handle, torch.Tensor, tuple, StorageWeakRef]]] = {}
         self._copies: dict[tuple, tuple[StorageWeakRef, QuantizedTensor]] = {}
         self._recipes: dict[int, tuple[StorageWeakRef, tuple]] = {}
-        # the modules of a region-captured model running (innermost last): (bits, min bytes, their pending) for
-        # eager code whose saves are kept as copies, ``(None, 0, [])`` for a region
-        self._eager_scopes: list[tuple[int | None, int, list]] = []
+        # the modules of a region-captured model running (innermost last): (bits, min bytes, their pending, owner)
+        # for eager code whose saves are kept as copies, ``(None, 0, [], owner)`` for a region
+        self._eager_scopes: list[tuple[int | None, int, list, object]] = []
         self._region_saved: dict[int, StorageWeakRef] = {}   # storages a region saved (its plan decides them)
         # Accounting. Keys name a tensor only while its storage lives (a freed address is reused),
         # so each entry keeps a weak reference and a dead entry counts as a new tensor.
@@ -270,17 +270,23 @@ class SavedTensorCompressor:
         handle.tensor, handle.copy = None, copy
 
     # -- eager code ------------------------------------------------------
-    def enter_eager(self, bits: int | None, min_bytes: int) -> None:
+    def enter_eager(self, bits: int | None, min_bytes: int, owner: object = None) -> None:
         """A module of a region-captured model starts. An eager one (``bits``): what its own code saves, and no
         region saves or tags by the time it ends, is kept as ``bits``-bit copies
         (:func:`~fxapprox.runtime.saved_tensors.eager_copy_eligible` decides which). A region (``None``): what it
-        saves is its plan's."""
-        self._eager_scopes.append((bits, min_bytes, []))
+        saves is its plan's. ``owner`` names the scope for :meth:`exit_eager`."""
+        self._eager_scopes.append((bits, min_bytes, [], owner))
 
-    def exit_eager(self) -> None:
-        if not self._eager_scopes:
+    def exit_eager(self, owner: object = None) -> None:
+        """``owner``'s scope ends (and any left open inside it: a module that raised)."""
+        index = next((i for i in range(len(self._eager_scopes) - 1, -1, -1)
+                      if self._eager_scopes[i][3] is owner), None)
+        if index is None:
             return
-        bits, min_bytes, saved = self._eager_scopes.pop()
+        while len(self._eager_scopes) > index:
+            self._flush_eager(*self._eager_scopes.pop()[:3])
+
+    def _flush_eager(self, bits: int | None, min_bytes: int, saved: list) -> None:
         for ptr, entry in saved:
             pending = self._pending.get(ptr, ())
             index = next((i for i, waiting in enumerate(pending) if waiting is entry), None)

@@ -66,13 +66,13 @@ class EagerCopies:
     def enter(self, module, args, kwargs=None) -> None:
         compressor = current().compressor
         if compressor is not None:
-            compressor.enter_eager(self.bits, self.min_bytes)
+            compressor.enter_eager(self.bits, self.min_bytes, module)
 
     def leave(self, module, args, output) -> None:
         compressor = current().compressor
         if compressor is not None:
             with without_cast_following():
-                compressor.exit_eager()
+                compressor.exit_eager(module)
 
     def install(self, module: torch.nn.Module) -> None:
         module.register_forward_pre_hook(self.enter)

@@ -60,6 +60,18 @@ def _region_stack(model: nn.Module, capture: Capture, stack: list):
             handle.remove()
 
 
+def _common_owner(paths: set[str], eager_paths: set[str]) -> str:
+    """The eager module a tensor several eager modules save is counted to: the innermost eager module all of them
+    run inside (rotary tables that every layer's attention saves belong to the model, not to one layer, which the
+    plan might checkpoint)."""
+    if len(paths) == 1:
+        return next(iter(paths))
+    def inside(path: str, owner: str) -> bool:
+        return owner == "" or path == owner or path.startswith(owner + ".")
+    common = [owner for owner in eager_paths if all(inside(path, owner) for path in paths)]
+    return max(common, key=len) if common else min(paths, key=lambda path: (len(path), path))
+
+
 def count_eager_saved_bytes(model: nn.Module, capture: Capture, args: tuple, kwargs: dict, min_bytes: int,
                             group_size: int) -> dict[str, EagerSaved]:
     """``{eager module path: EagerSaved}``: what its own code saves for backward in one training forward of
@@ -86,16 +98,17 @@ def count_eager_saved_bytes(model: nn.Module, capture: Capture, args: tuple, kwa
         copied = (quantized_nbytes(tensor.numel(), EAGER_COPY_BITS, group_size,
                                    memory_row(tensor.shape, tensor.stride()))
                   if eager_copy_eligible(tensor, min_bytes) else exact)
-        sizes[key] = (exact, min(exact, copied))
+        sizes.setdefault(key, (exact, min(exact, copied)))   # the first view saved: the one the runtime packs
         return tensor
 
     with torch.enable_grad(), _region_stack(model, capture, stack), saved_tensors_hooks(pack, lambda t: t):
         model(*args, **kwargs)
+    eager_paths = {region.path for region in capture.regions if region.kind == "eager"}
     counts: dict[str, tuple[int, int]] = {}
     for key, paths in owners.items():
         if key[0] in captured_storages:
             continue
-        path = min(paths, key=len)   # the outermost eager module that saved it
+        path = _common_owner(paths, eager_paths)
         exact, copied = counts.get(path, (0, 0))
         counts[path] = (exact + sizes[key][0], copied + sizes[key][1])
     return {path: EagerSaved(*pair) for path, pair in counts.items()}
