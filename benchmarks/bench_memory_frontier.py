@@ -36,7 +36,9 @@ Then, on the 4-block transformer of the speed benchmark:
   ``char_transformer``) and ResNet-18 on digits (``resnet18``), exact vs fxapprox at each memory budget;
 * **quality at the end of a schedule** — the final validation loss after warm-up + cosine to zero of the small
   char transformer (``char_transformer_small``) and the Hugging Face Llama LM (``hf_llama``, captured region by
-  region), exact vs ``memory_budget=0.125`` (``SCHEDULE_QUALITY``), per seed.
+  region), exact vs ``memory_budget=0.125`` (``SCHEDULE_QUALITY``), per seed; and at equal wall-clock where a
+  frontier of the same model and batch gives the paired step ratio (``SCHEDULE_PAIRED``): the plan's loss when
+  exact's run ends, its planning on the clock.
 
 Results are cached in ``benchmarks/.data/memory_frontier/`` (one JSON per model and section; ``--fresh`` measures
 again). ``--write`` puts the tables in BENCHMARKS.md ("memory_frontier") and docs/memory_frontier.md, and the
@@ -79,6 +81,9 @@ COMPILED_SAVING = ("transformer6", "transformer4")
 QUALITY_STEPS = {"char_transformer": 200}
 #: the end-of-schedule runs (warm-up + cosine to zero, the workload's whole length): workload → budgets
 SCHEDULE_QUALITY = {"char_transformer_small": (0.125,), "hf_llama": (0.125,)}
+#: the frontier whose paired step ratios give a schedule workload's comparison at equal wall-clock (same model and
+#: batch): workload → model
+SCHEDULE_PAIRED = {"hf_llama": "llama"}
 DOC = HERE.parent / "docs" / "memory_frontier.md"
 
 
@@ -353,24 +358,57 @@ def quality(workload_name: str, seeds: int, steps: int | None, budgets: tuple) -
 
     workload = workloads.get(workload_name)
     labels = ["exact"] + [f"memory {b:g}" for b in budgets]
-    finals = {}
+    finals, curves, planning = {}, {}, {}
     for label in labels:
-        finals[label] = [_training.train(workload, label, seed, steps)["curve"][-1][2] for seed in range(seeds)]
+        runs = [_training.train(workload, label, seed, steps) for seed in range(seeds)]
+        curves[label] = [[(step, loss) for _, step, loss in run["curve"]] for run in runs]
+        planning[label] = [run["planning_s"] for run in runs]
+        finals[label] = [curve[-1][1] for curve in curves[label]]
         print(f"  {workload_name} {label}: {finals[label]}", file=sys.stderr, flush=True)
-    return {"workload": workload_name, "steps": steps or workload.steps, "seeds": seeds, "final": finals}
+    return {"workload": workload_name, "steps": steps or workload.steps, "seeds": seeds, "final": finals,
+            "curves": curves, "planning_s": planning}
+
+
+def _loss_at(curve: list, step: float) -> float:
+    """The validation loss of an evaluated curve ``[(step, loss)]`` at ``step``, linearly between evaluations."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+        if s0 <= step <= s1:
+            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    return curve[-1][1]
+
+
+def _equal_wall_clock(result: dict, label: str, ratio: float, exact_step: float) -> float:
+    """Mean over seeds of ``label``'s loss when the exact run ends — ``ratio``: its paired step time over exact's
+    (> 1), ``exact_step``: exact's step seconds, both from the frontier; its planning counted, evaluation not."""
+    losses = []
+    for curve, planning in zip(result["curves"][label], result["planning_s"][label]):
+        steps = (result["steps"] * exact_step - planning) / (ratio * exact_step)
+        losses.append(_loss_at(curve, max(steps, 0.0)))
+    return statistics.mean(losses)
 
 
 # -- tables ------------------------------------------------------------------------------------------------------
 QUALITY_HEADER = ["workload", "steps", "configuration", "final val loss (per seed)", "mean vs exact"]
+SCHEDULE_HEADER = QUALITY_HEADER + ["at equal wall-clock"]
 
 
-def _quality_rows(result: dict) -> list[list[str]]:
+def _quality_rows(result: dict, frontier: dict | None = None, wall_clock: bool = False) -> list[list[str]]:
+    """Rows of a quality run; with ``wall_clock`` a column at equal wall-clock too, from ``frontier`` (the bench's
+    frontier of the same model and batch: its paired step ratios and exact's step seconds) where there is one."""
     exact = statistics.mean(result["final"]["exact"])
     rows = []
     for label, finals in result["final"].items():
         mean = statistics.mean(finals)
-        rows.append([result["workload"], str(result["steps"]), label, " / ".join(f"{f:.4f}" for f in finals),
-                     f"{(mean / exact - 1) * 100:+.2f}%"])
+        row = [result["workload"], str(result["steps"]), label, " / ".join(f"{f:.4f}" for f in finals),
+               f"{(mean / exact - 1) * 100:+.2f}%"]
+        if wall_clock:
+            measured = frontier["rows"].get(label.replace("memory", "fxapprox")) if frontier else None
+            if measured is None or "planning_s" not in result or measured["time"] <= 1.0:
+                row.append("+0.00%" if label == "exact" and measured is not None else "—")
+            else:
+                loss = _equal_wall_clock(result, label, measured["time"], frontier["rows"]["exact"]["seconds"])
+                row.append(f"{(loss / exact - 1) * 100:+.2f}% (step ratio {measured['time']:.2f}×)")
+        rows.append(row)
     return rows
 
 
@@ -501,8 +539,11 @@ def main() -> None:
             result = _cached(data / f"schedule-{workload}.json", options.fresh,
                              lambda: quality(workload, 1 if options.quick else options.seeds,
                                              60 if options.quick else None, budgets))
-            schedule_rows += _quality_rows(result)
-        print_table("Validation loss at the end of a warm-up + cosine schedule", QUALITY_HEADER, schedule_rows)
+            paired = SCHEDULE_PAIRED.get(workload)
+            frontier = frontiers.get(paired) or (json.loads((data / f"{paired}.json").read_text())
+                                                 if paired and (data / f"{paired}.json").exists() else None)
+            schedule_rows += _quality_rows(result, frontier, wall_clock=True)
+        print_table("Validation loss at the end of a warm-up + cosine schedule", SCHEDULE_HEADER, schedule_rows)
     if options.write:
         _write(sections, frontiers, batch_rows, quality_rows, schedule_rows, options)
 
@@ -544,7 +585,7 @@ def _write(sections, frontiers, batch_rows, quality_rows, schedule_rows, options
         written[heading] = heading + "\n\n" + markdown_table(QUALITY_HEADER, quality_rows)
     if schedule_rows:
         heading = "### Validation loss at the end of a warm-up + cosine schedule"
-        written[heading] = heading + "\n\n" + markdown_table(QUALITY_HEADER, schedule_rows)
+        written[heading] = heading + "\n\n" + markdown_table(SCHEDULE_HEADER, schedule_rows)
     kept = _written_subsections()
     merged = {**{h: written.get(h, text) for h, text in kept.items()},
               **{h: text for h, text in written.items() if h not in kept}}
