@@ -134,7 +134,7 @@ class MemoryPlan:
     values: tuple[SavedValueDecision, ...] = field(default_factory=tuple)
     #: predicted model-gradient error of the chosen widths (measured memory policy only)
     predicted_error: float | None = None
-    #: of ``internal_bytes``, what eager code saves in a hierarchically captured model
+    #: of ``internal_bytes``, what eager code saves in a hierarchically captured model (outside checkpointed blocks)
     eager_bytes: int = 0
     #: what the plan keeps of it (``eager_bytes`` when it is kept as it is)
     eager_planned_bytes: int = 0

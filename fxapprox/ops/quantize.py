@@ -231,9 +231,9 @@ def row_group(group_size: int, row: int | None) -> int:
 
 
 def _flattened_row(tensor: torch.Tensor) -> int | None:
-    """The feature row of ``tensor`` as :func:`_memory_order_flat` lays it out (as
-    :func:`fxapprox.runtime.saved_tensors.memory_row`): the last dimension of a 2-d or 3-d tensor, the channels
-    of a channels-last map, else ``None``."""
+    """The feature row of ``tensor`` as :func:`_memory_order_flat` lays it out — logical order, or channels-last
+    — for a tensor passed whole (the compressor passes the row of its own memory-order copy): the last dimension
+    of a 2-d or 3-d tensor, the channels of a channels-last map, else ``None``."""
     if tensor.dim() < 2:
         return None
     if tensor.dim() <= 3:

@@ -30,7 +30,7 @@ from fxapprox.passes.measurement.candidates import enumerate_candidates
 from fxapprox.passes.measurement.measure_candidates import (EXACT_STEP_KEY, _device_of, cached_step_seconds,
                                                             measure_candidates)
 from fxapprox.passes.memory.blocks import MemoryTimings
-from fxapprox.passes.memory.measure_blocks import median_seconds, pack_timings
+from fxapprox.passes.memory.measure_blocks import pack_timings
 from fxapprox.passes.memory.region_blocks import find_region_blocks, region_recompute_seconds
 from fxapprox.passes.policy.budget_policy import AUTO_BUDGET
 from fxapprox.passes.rewrite import rewrite_sampled_ops
@@ -123,7 +123,7 @@ class ApproxModel(ApproxRuntime):
                 with measurement_sandbox(self), self._exact_calls():
                     step = cached_step_seconds(self, (args, kwargs),
                                                lambda: super(ApproxRuntime, self).__call__(*args, **kwargs), config)
-                    recompute = region_recompute_seconds(self, blocks, received, config, median_seconds)
+                    recompute = region_recompute_seconds(self, blocks, received, config)
                 cache = TimingCache.for_config(config.timing_cache, _device_of(inputs))
                 pack = pack_timings(largest, _device_of(inputs), config, cache)
                 cache.save()

@@ -40,41 +40,37 @@ def choose_memory_plan(gm: torch.fx.GraphModule, inputs: tuple, memory_budget: f
     passes ``region_blocks(values, largest)``: its blocks and their :class:`MemoryTimings` (measured on the model,
     not on ``gm``, whose regions are not connected); its values-only plan's packing is calibrated on ``gm``."""
     blocks, timings = (), None
+    checkpointing = (checkpoint_blocks or region_blocks is not None) and config.activation_checkpoint \
+        and config.activation_bits is None and memory_budget is not None and memory_budget < 1.0
     with measurement_sandbox(gm), as_in_compressed_training():
         candidates = memory_candidates(gm, config)
         if config.activation_policy == "measured" and config.activation_bits is None:
             measure_saved_values(gm, *inputs, values=candidates, config=config, progress=config.progress)
-        if checkpoint_blocks and config.activation_checkpoint and config.activation_bits is None \
-                and memory_budget is not None and memory_budget < 1.0:
-            values, _, _ = saved_values(gm)
-            blocks = tuple(find_blocks(gm, values))
-            if blocks:
-                largest = max((values[name] for name in candidates), key=lambda v: v.exact_bytes, default=None)
-                timings = measure_memory_options(gm, list(blocks), largest.root if largest else None, inputs,
-                                                 config)
-        elif region_blocks is not None and config.activation_checkpoint and config.activation_bits is None \
-                and memory_budget is not None and memory_budget < 1.0:
+        if checkpointing:
             values, _, _ = saved_values(gm)
             largest = max((values[name] for name in candidates), key=lambda v: v.exact_bytes, default=None)
-            blocks, timings = region_blocks(values, largest.root if largest else None)
+            largest = largest.root if largest else None
+            if region_blocks is not None:
+                blocks, timings = region_blocks(values, largest)
+            else:
+                blocks = tuple(find_blocks(gm, values))
+                timings = measure_memory_options(gm, list(blocks), largest, inputs, config) if blocks else None
     values_only = plan_memory(gm, memory_budget, config)
     if timings is None:
         return values_only
-    if region_blocks is not None:
-        # Calibrate the packer on the values-only plan as for a traced model, timed on the regions alone (eager
-        # code is not in ``gm``): their extra seconds, stated in the whole model's exact step.
-        with measurement_sandbox(gm):
-            regions_ratio = measure_memory_step(gm, values_only, inputs, config)
-            regions_step = cached_step_seconds(gm, inputs, lambda: gm.forward(*inputs), config)
-        measured = 1.0 + (regions_ratio - 1.0) * regions_step / timings.step_seconds
-        regions_only = dataclasses.replace(values_only, eager_copy_bits=None)   # what that step packed
-        return plan_memory(gm, memory_budget, config, tuple(blocks),
-                           calibrated_timings(timings, regions_only, measured))
     # The packer timed alone misses what a compressing step pays around it: calibrate on the values-only plan's
     # measured step, then weigh blocks against values.
     with measurement_sandbox(gm):
         measured = measure_memory_step(gm, values_only, inputs, config)
+        if region_blocks is not None:
+            # timed on the regions alone (eager code is not in ``gm``, nor its copies): their extra seconds, stated
+            # in the whole model's exact step
+            regions_step = cached_step_seconds(gm, inputs, lambda: gm.forward(*inputs), config)
+            measured = 1.0 + (measured - 1.0) * regions_step / timings.step_seconds
+            values_only = dataclasses.replace(values_only, eager_copy_bits=None)
     memory_plan = plan_memory(gm, memory_budget, config, blocks, calibrated_timings(timings, values_only, measured))
+    if region_blocks is not None:   # its checkpoints run on the model's modules, which ``gm`` cannot time
+        return memory_plan
     if memory_plan.checkpointed or memory_plan.values != values_only.values:
         with measurement_sandbox(gm):
             measured = measure_memory_step(gm, memory_plan, inputs, config)

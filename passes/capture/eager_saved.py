@@ -3,8 +3,8 @@
 The planning graph measures what traced regions and swapped leaves save, value by value, and the memory policy
 chooses their widths. What eager code saves (Hugging Face's attention kernels, rotary embeddings, the loss inside
 the model's forward) is not in that graph: it is counted here over a real forward, under
-``torch.autograd.graph.saved_tensors_hooks`` with a stack of the regions running, and reported in the plan as kept
-exact. A tensor that a region or leaf saves too (a projection's input that eager code saves as well) is the
+``torch.autograd.graph.saved_tensors_hooks`` with a stack of the regions running, and reported in the plan (kept
+exact, or as copies when the budget needs them). A tensor that a region or leaf saves too (a projection's input that eager code saves as well) is the
 region's: its width is planned there, and compressing it there compresses it for every saver.
 
 Each eager module's count carries what its saves would take as copies (:data:`~fxapprox.runtime.saved_tensors.

@@ -49,11 +49,11 @@ import torch.fx
 
 from fxapprox.config import ApproxConfig
 from fxapprox.passes.memory.blocks import Block, MemoryTimings
-from fxapprox.passes.memory.memory_widths import (RECOMPUTE_BITS, Widths, chain_root, eligibility, initial_widths,
-                                                  measured_widths, rebuilt_widths, recomputed, sign_exact,
-                                                  uniform_widths, widest_first)
+from fxapprox.passes.memory.memory_widths import (RECOMPUTE_BITS, Widths, chain_root, eager_saved_totals, eligibility,
+                                                  initial_widths, measured_widths, rebuilt_widths, recomputed,
+                                                  sign_exact, uniform_widths, widest_first)
 from fxapprox.passes.memory.saved_values import dtype_bits, mib, saved_values
-from fxapprox.pipeline.records import BIT_ERRORS_KEY, EAGER_COPY_KEY, EAGER_SAVED_KEY
+from fxapprox.pipeline.records import BIT_ERRORS_KEY
 from fxapprox.runtime.saved_tensors import EAGER_COPY_BITS
 from fxapprox.plan import BlockDecision, MemoryPlan, SavedValueDecision
 
@@ -102,8 +102,8 @@ def resolve_recompute(gm: torch.fx.GraphModule, memory_budget: float | None, con
         else:
             total += value.bytes_at(max(8, value.min_bits), group)
     # eager code's saves may be kept as copies (8 bits) first
-    total -= sum(n.meta.get(EAGER_SAVED_KEY, 0) - n.meta.get(EAGER_COPY_KEY, n.meta.get(EAGER_SAVED_KEY, 0))
-                 for n in gm.graph.nodes)
+    eager_exact, eager_copied = eager_saved_totals(gm)
+    total -= eager_exact - eager_copied
     exact_total = sum(v.exact_bytes for v in values.values()) + internal
     fits = total <= memory_budget * exact_total
     return cheap if fits else dataclasses.replace(config, activation_recompute="linear")

@@ -226,6 +226,12 @@ def _recompute_widths(values: dict[str, SavedValue], block: Block, config: Appro
     return widths
 
 
+def eager_saved_totals(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """What eager code saves in a region-captured model's planning graph: ``(exact bytes, bytes as copies)``."""
+    exact = sum(n.meta.get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes)
+    return exact, sum(n.meta.get(EAGER_COPY_KEY, n.meta.get(EAGER_SAVED_KEY, 0)) for n in gm.graph.nodes)
+
+
 def initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed: tuple[Block, ...] = (),
                     compressed_recompute: bool = False, copy_eager: bool = False) -> Widths:
     """Every value at its dtype's width, the rebuilt ones chosen, the ineligible ones with their reason; with
@@ -254,9 +260,9 @@ def initial_widths(gm: torch.fx.GraphModule, config: ApproxConfig, checkpointed:
                      held=sum(node_bytes(by_name[i]) for i in held))
     # eager code inside a checkpointed module is freed with it; the rest may be kept as copies
     freed_eager = sum(block.eager_bytes for block in checkpointed)
-    widths.eager_bytes = sum(n.meta.get(EAGER_SAVED_KEY, 0) for n in gm.graph.nodes) - freed_eager
-    widths.eager_copy_bytes = sum(n.meta.get(EAGER_COPY_KEY, n.meta.get(EAGER_SAVED_KEY, 0)) for n in gm.graph.nodes
-                                  ) - sum(block.eager_copy_bytes for block in checkpointed)
+    eager_exact, eager_copied = eager_saved_totals(gm)
+    widths.eager_bytes = eager_exact - freed_eager
+    widths.eager_copy_bytes = eager_copied - sum(block.eager_copy_bytes for block in checkpointed)
     widths.planned_internal -= freed_eager
     widths.copy_eager = copy_eager and widths.eager_copy_bytes < widths.eager_bytes
     if widths.copy_eager:

@@ -28,6 +28,7 @@ from fxapprox.config import ApproxConfig
 from fxapprox.passes.capture.regions import Capture, RegionInputs
 from fxapprox.passes.capture.stitch import REGION_KEY, tensor_identity
 from fxapprox.passes.memory.blocks import Block, node_bytes
+from fxapprox.passes.memory.measure_blocks import median_seconds
 from fxapprox.passes.memory.saved_values import SavedValue
 from fxapprox.pipeline.records import EAGER_COPY_KEY, EAGER_SAVED_KEY, SAME_TENSOR_KEY
 from fxapprox.pipeline.timing_cache import TimingCache, _describe
@@ -85,9 +86,9 @@ def find_region_blocks(gm: torch.fx.GraphModule, inputs: tuple, capture: Capture
 
 
 def region_recompute_seconds(model: nn.Module, blocks: list[Block], received: dict[str, RegionInputs],
-                             config: ApproxConfig, median_seconds) -> dict[str, float]:
+                             config: ApproxConfig) -> dict[str, float]:
     """Each block's forward — what checkpointing it adds to backward — timed with gradients on what it received in
-    the capture step (``median_seconds(run, repeats)``), through the per-machine timing cache."""
+    the capture step, through the per-machine timing cache."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     cache = TimingCache.for_config(config.timing_cache, device)
     repeats = max(3, config.measure_repeats)
